@@ -1,0 +1,62 @@
+"""The abstract profiler: public start/stop own the state and guards; subclasses fill the hooks."""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from pathlib import Path
+
+from profiling.config import ProfileOptions
+
+
+class ProfilerStateError(RuntimeError):
+    """start() while recording, or stop() while not recording."""
+
+
+class RecordedTrace(ABC):
+    """A finished recording that can be written to disk later, off the critical path."""
+
+    @abstractmethod
+    def export(self, out_dir: Path) -> list[Path]:
+        """Write the trace files into `out_dir` and return their paths."""
+
+
+class ProfilerBackend(ABC):
+    """One recording at a time. Must be started and stopped on the thread that runs the model
+    (torch.profiler records per thread, and stopping it from another thread crashes)."""
+
+    trace_files: tuple[str, ...] = ()
+    """File names a recording exports, known before it starts (the manifest lists them early)."""
+
+    def __init__(self, options: ProfileOptions):
+        self.options = options
+        self._recording = False
+
+    @property
+    def recording(self) -> bool:
+        return self._recording
+
+    def start(self) -> None:
+        if self._recording:
+            raise ProfilerStateError("profiler is already recording")
+        self._start()
+        self._recording = True
+
+    def stop(self) -> RecordedTrace:
+        """Stop recording (the profiler's finalize runs here) and return the unexported trace."""
+        if not self._recording:
+            raise ProfilerStateError("profiler is not recording")
+        self._recording = False
+        return self._stop()
+
+    @contextlib.contextmanager
+    def mark(self, name: str) -> Iterator[None]:
+        """A named range in the trace (a no-op when the tool has no ranges)."""
+        yield
+
+    @abstractmethod
+    def _start(self) -> None: ...
+
+    @abstractmethod
+    def _stop(self) -> RecordedTrace: ...

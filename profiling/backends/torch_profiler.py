@@ -1,0 +1,55 @@
+"""torch.profiler backend: Chrome traces, exported after stop so stop stays cheap."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from profiling.backends.base import ProfilerBackend, RecordedTrace
+
+TRACE_FILE = "trace.pt.trace.json.gz"
+_ACTIVITIES = {"cpu": ProfilerActivity.CPU, "cuda": ProfilerActivity.CUDA}
+
+
+class TorchRecordedTrace(RecordedTrace):
+    def __init__(self, prof: profile):
+        self._prof = prof
+
+    def export(self, out_dir: Path) -> list[Path]:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        path = out_dir / TRACE_FILE
+        tmp = out_dir / f".{TRACE_FILE}.tmp.gz"
+        self._prof.export_chrome_trace(str(tmp))
+        tmp.replace(path)
+        return [path]
+
+
+class TorchProfilerBackend(ProfilerBackend):
+    trace_files = (TRACE_FILE,)
+
+    def _start(self) -> None:
+        if "cuda" in self.options.activities and not torch.cuda.is_available():
+            raise RuntimeError(
+                "activities include 'cuda' but torch sees no CUDA device; use activities: [cpu]"
+            )
+        self._prof = profile(
+            activities=[_ACTIVITIES[a] for a in self.options.activities],
+            record_shapes=self.options.record_shapes,
+            with_stack=self.options.with_stack,
+            profile_memory=self.options.with_memory,
+        )
+        self._prof.start()
+
+    def _stop(self) -> RecordedTrace:
+        prof, self._prof = self._prof, None
+        prof.stop()
+        return TorchRecordedTrace(prof)
+
+    @contextlib.contextmanager
+    def mark(self, name: str) -> Iterator[None]:
+        with record_function(name):
+            yield

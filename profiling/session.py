@@ -1,0 +1,244 @@
+"""The per-process profiling session state machine.
+
+    idle --start(k)--> profiling(k) --cap--> capped(k) --stop(k)--> idle (+ export in background)
+                           |------------------stop(k)----------------^
+
+* start(k) while profiling/capped k is idempotent; start(j != k) is a conflict.
+* stop when idle is a no-op; stop(j != k) is a conflict.
+* cap: after `max_forward_steps` engine steps or `max_duration_s`, recording ends and the trace is
+  exported, but step k stays active until stopped, so the trainer's stop(k) still matches.
+* `exporting` is reported when idle while traces are still being written.
+
+Every method except `status`/`wait_exported` must run on the thread that runs the model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Executor, Future
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from profiling.backends import ProfilerBackend, RecordedTrace, create_backend
+from profiling.config import ProfileOptions
+from profiling.manifest import ManifestEntry
+from profiling.store import TraceStore
+
+SessionState = Literal["idle", "profiling", "capped", "exporting"]
+
+
+class SessionConflict(RuntimeError):
+    """A start or stop that names a different step than the active one."""
+
+
+class SessionSpec(BaseModel):
+    """What to record: the window label, its steps, options, and whether we join late."""
+
+    step: int = Field(ge=1)
+    steps: list[int]
+    options: ProfileOptions
+    tag: str | None = None
+    late_start: bool = False
+
+
+class StopOutcome(BaseModel):
+    step: int | None
+    stopped: bool
+    files: list[str] = Field(default_factory=list)
+    forward_steps: int = 0
+    weight_version: int | None = None
+    stop_ack_s: float | None = None
+    auto_stopped: str | None = None
+
+
+class ProfileSession:
+    """One process's profiling state, its backend, and its trace entry."""
+
+    def __init__(
+        self,
+        *,
+        store: TraceStore,
+        entry_identity: ManifestEntry,
+        exporter: Executor,
+        backend_factory: Callable[[ProfileOptions], ProfilerBackend] = create_backend,
+    ):
+        self._store = store
+        self._identity = entry_identity
+        self._exporter = exporter
+        self._backend_factory = backend_factory
+        self._state: Literal["idle", "profiling", "capped"] = "idle"
+        self._spec: SessionSpec | None = None
+        self._backend: ProfilerBackend | None = None
+        self._entry: ManifestEntry | None = None
+        self._deadline: float | None = None
+        self._exports: dict[int, Future[ManifestEntry]] = {}
+        self._lock = threading.Lock()
+
+    # -- read from any thread ----------------------------------------------------------------
+    @property
+    def active_step(self) -> int | None:
+        return self._spec.step if self._spec else None
+
+    @property
+    def state(self) -> SessionState:
+        if self._state == "idle" and self.exports_pending:
+            return "exporting"
+        return self._state
+
+    @property
+    def exports_pending(self) -> int:
+        with self._lock:
+            return sum(not f.done() for f in self._exports.values())
+
+    @property
+    def forward_steps(self) -> int:
+        return self._entry.forward_steps if self._entry else 0
+
+    def wait_exported(self, step: int, timeout: float | None = None) -> ManifestEntry | None:
+        """The final entry of `step` once its export is done (None: this process has none)."""
+        with self._lock:
+            fut = self._exports.get(step)
+        return fut.result(timeout) if fut else None
+
+    # -- model thread --------------------------------------------------------------------------
+    def start(self, spec: SessionSpec, weight_version: int) -> bool:
+        """Start recording `spec.step`. Returns False if that step was already active."""
+        if self._spec is not None:
+            if self._spec.step == spec.step:
+                return False
+            raise SessionConflict(
+                f"step {self._spec.step} is being profiled; stop it before starting step {spec.step}"
+            )
+        backend = self._backend_factory(spec.options)
+        out_dir = self._store.entry_dir(spec.step, self._identity)
+        entry = self._identity.model_copy(
+            update={
+                "pid": os.getpid(),
+                "exporting": True,
+                "files": [self._store.relative(spec.step, out_dir / f) for f in backend.trace_files],
+                "weight_version": weight_version,
+                "weight_versions": [weight_version],
+                "started_at": time.time(),
+                "late_start": spec.late_start,
+            }
+        )
+        backend.start()
+        try:
+            self._store.write_entry(spec.step, entry)
+        except BaseException:
+            backend.stop()
+            raise
+        self._spec, self._backend, self._entry, self._state = spec, backend, entry, "profiling"
+        limit = spec.options.max_duration_s
+        self._deadline = time.monotonic() + limit if limit else None
+        return True
+
+    def stop(self, step: int, on_closed: Callable[[StopOutcome], None] | None = None) -> StopOutcome:
+        """Close the window, call `on_closed` (the acknowledgement), then finalize the profiler
+        and hand the export to the background. `on_closed` runs before the finalize, so the
+        caller is answered as soon as no further forward pass can be recorded."""
+        t0 = time.perf_counter()
+        if self._spec is None:
+            outcome = StopOutcome(step=None, stopped=False)
+            if on_closed:
+                on_closed(outcome)
+            return outcome
+        if self._spec.step != step:
+            raise SessionConflict(f"step {step} is not being profiled (active step: {self._spec.step})")
+        assert self._entry is not None
+        was_recording = self._state == "profiling"
+        if was_recording:
+            self._entry.stopped_at = time.time()
+        self._entry.stop_ack_s = time.perf_counter() - t0
+        outcome = StopOutcome(
+            step=step,
+            stopped=True,
+            files=self._entry.files,
+            forward_steps=self._entry.forward_steps,
+            weight_version=self._entry.weight_version,
+            stop_ack_s=self._entry.stop_ack_s,
+            auto_stopped=self._entry.auto_stopped,
+        )
+        spec, backend, entry = self._spec, self._backend, self._entry
+        self._spec = self._backend = self._entry = None
+        self._deadline = None
+        self._state = "idle"
+        if on_closed:
+            on_closed(outcome)
+        if was_recording:
+            assert backend is not None
+            self._finish_recording(spec, backend, entry)
+        return outcome
+
+    @contextlib.contextmanager
+    def forward_step(self, weight_version: int) -> Iterator[None]:
+        """Wrap one engine step: a trace range naming the step and weight version, counted."""
+        if self._state != "profiling":
+            yield
+            return
+        assert self._backend is not None and self._entry is not None and self._spec is not None
+        n = self._entry.forward_steps
+        with self._backend.mark(f"forward_step#{n} step={self._spec.step} weight_version={weight_version}"):
+            yield
+        self._entry.forward_steps = n + 1
+        if weight_version not in self._entry.weight_versions:
+            self._entry.weight_versions.append(weight_version)
+        limit = self._spec.options.max_forward_steps
+        if limit is not None and n + 1 >= limit:
+            self._cap("max_forward_steps")
+        else:
+            self.check_deadline()
+
+    def mark_weight_update(self, version: int, apply: Callable[[], None]) -> None:
+        """Run `apply` (the weight swap) inside a trace range, if recording."""
+        if self._state == "profiling":
+            assert self._backend is not None
+            with self._backend.mark(f"weight_update version={version}"):
+                apply()
+        else:
+            apply()
+
+    def check_deadline(self) -> None:
+        """Cap the recording once `max_duration_s` has passed (call it from the model loop)."""
+        if self._state == "profiling" and self._deadline is not None and time.monotonic() >= self._deadline:
+            self._cap("max_duration_s")
+
+    # -- internals -----------------------------------------------------------------------------
+    def _cap(self, reason: Literal["max_forward_steps", "max_duration_s"]) -> None:
+        assert self._entry is not None
+        assert self._spec is not None and self._backend is not None
+        self._entry.auto_stopped = reason
+        self._entry.stopped_at = time.time()
+        self._state = "capped"
+        self._finish_recording(self._spec, self._backend, self._entry)
+
+    def _finish_recording(self, spec: SessionSpec, backend: ProfilerBackend, entry: ManifestEntry) -> None:
+        """Finalize the profiler (on this, the model thread) and export in the background."""
+        t0 = time.perf_counter()
+        trace = backend.stop()
+        entry.finalize_s = time.perf_counter() - t0
+        fut = self._exporter.submit(self._export, spec.step, entry.model_copy(deep=True), trace)
+        with self._lock:
+            self._exports[spec.step] = fut
+
+    def _export(self, step: int, entry: ManifestEntry, trace: RecordedTrace) -> ManifestEntry:
+        t0 = time.perf_counter()
+        try:
+            paths = trace.export(self._store.entry_dir(step, entry))
+            entry.files = [self._store.relative(step, p) for p in paths]
+            entry.bytes = sum(p.stat().st_size for p in paths)
+        except Exception as e:  # noqa: BLE001 - any export failure is recorded, not raised
+            entry.status, entry.error, entry.files = "error", f"trace export failed: {e!r}", []
+        entry.exporting = False
+        entry.export_s = time.perf_counter() - t0
+        try:
+            self._store.write_entry(step, entry)
+            self._store.refresh_manifest(step)
+        except OSError as e:
+            entry.status, entry.error = "error", f"could not record the trace: {e}"
+        return entry

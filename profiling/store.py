@@ -1,0 +1,142 @@
+"""The trace store: the on-disk layout of DESIGN.md §5, atomic writes, and guards.
+
+    <save_path>/step_<k>/manifest.json
+    <save_path>/step_<k>/session.json                 controller's record
+    <save_path>/step_<k>/rollout/<replica_id>/...     engine traces + entry.json
+    <save_path>/step_<k>/trainer/rank_<r>/...         trainer traces + entry.json
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+from typing import TypeVar
+
+from pydantic import BaseModel
+
+from profiling.config import check_safe_name
+from profiling.manifest import ManifestEntry, SessionRecord, StepManifest
+
+ENTRY_FILE = "entry.json"
+SESSION_FILE = "session.json"
+MANIFEST_FILE = "manifest.json"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+M = TypeVar("M", bound=BaseModel)
+
+
+class StorageError(RuntimeError):
+    """The save path cannot take traces (not writable, disk full). The message names the fix."""
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write via a temp file in the same directory + rename: readers never see half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class TraceStore:
+    """All paths under one `save_path`; nothing here writes outside it."""
+
+    def __init__(self, save_path: str | os.PathLike):
+        self.root = Path(save_path).expanduser().resolve()
+
+    # -- layout -------------------------------------------------------------------------
+    def step_dir(self, step: int) -> Path:
+        if step < 1:
+            raise ValueError(f"step must be >= 1, got {step}")
+        return self.root / f"step_{step}"
+
+    def rollout_dir(self, step: int, replica_id: str) -> Path:
+        return self.step_dir(step) / "rollout" / check_safe_name(replica_id, "replica_id")
+
+    def trainer_dir(self, step: int, rank: int) -> Path:
+        return self.step_dir(step) / "trainer" / f"rank_{int(rank)}"
+
+    def entry_dir(self, step: int, entry: ManifestEntry) -> Path:
+        if entry.role == "rollout":
+            return self.rollout_dir(step, entry.replica_id or "")
+        return self.trainer_dir(step, entry.rank or 0)
+
+    def relative(self, step: int, path: Path) -> str:
+        return str(path.resolve().relative_to(self.step_dir(step)))
+
+    # -- guards -------------------------------------------------------------------------
+    def check_writable(self, min_free_mb: float) -> None:
+        """Raise StorageError unless save_path can be created, written, and has room."""
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=self.root, prefix=".probe."):
+                pass
+        except OSError as e:
+            raise StorageError(
+                f"save_path {self.root} is not writable ({e.strerror}); "
+                "point save_path at a writable directory"
+            ) from e
+        free_mb = shutil.disk_usage(self.root).free / 2**20
+        if free_mb < min_free_mb:
+            raise StorageError(
+                f"save_path {self.root} has {free_mb:.0f} MiB free, below min_free_disk_mb="
+                f"{min_free_mb:.0f}; free disk space or point save_path elsewhere"
+            )
+
+    # -- records ------------------------------------------------------------------------
+    def write_entry(self, step: int, entry: ManifestEntry) -> None:
+        atomic_write_text(self.entry_dir(step, entry) / ENTRY_FILE, entry.model_dump_json(indent=2))
+
+    def write_session(self, step: int, session: SessionRecord) -> None:
+        atomic_write_text(self.step_dir(step) / SESSION_FILE, session.model_dump_json(indent=2))
+
+    def read_session(self, step: int) -> SessionRecord | None:
+        return _read_model(self.step_dir(step) / SESSION_FILE, SessionRecord)
+
+    def read_entries(self, step: int) -> list[ManifestEntry]:
+        step_dir = self.step_dir(step)
+        found = sorted(step_dir.glob(f"rollout/*/{ENTRY_FILE}")) + sorted(
+            step_dir.glob(f"trainer/*/{ENTRY_FILE}")
+        )
+        return [e for e in (_read_model(p, ManifestEntry) for p in found) if e is not None]
+
+    def refresh_manifest(self, step: int) -> StepManifest:
+        """Re-derive and atomically rewrite `manifest.json` from the step's records.
+
+        A file lock serialises refreshes from several processes: each reads all records after
+        taking the lock, so the last refresh always sees every record written before it.
+        """
+        step_dir = self.step_dir(step)
+        step_dir.mkdir(parents=True, exist_ok=True)
+        with open(step_dir / ".manifest.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            manifest = StepManifest.assemble(step, self.read_session(step), self.read_entries(step))
+            atomic_write_text(step_dir / MANIFEST_FILE, manifest.model_dump_json(indent=2))
+        return manifest
+
+    def read_manifest(self, step: int) -> StepManifest | None:
+        return _read_model(self.step_dir(step) / MANIFEST_FILE, StepManifest)
+
+    def steps(self) -> list[int]:
+        """Steps that have a directory under save_path, ascending."""
+        if not self.root.is_dir():
+            return []
+        found = (_STEP_DIR.match(p.name) for p in self.root.iterdir() if p.is_dir())
+        return sorted(int(m.group(1)) for m in found if m)
+
+
+def _read_model(path: Path, model: type[M]) -> M | None:
+    try:
+        return model.model_validate_json(path.read_text())
+    except FileNotFoundError:
+        return None

@@ -1,0 +1,172 @@
+"""The HTTP wire schema (DESIGN.md §4): every request and response body, as pydantic models.
+
+Pure pydantic: the trainer-side client imports this module (and nothing else of serve_app) so
+both ends share one definition of every body.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from profiling.config import Activity, SafeName, StrictModel, Tool
+from profiling.manifest import ManifestStatus
+
+class StartProfileRequest(StrictModel):
+    step: int = Field(ge=1, description="Step k: generation served with weights version k-1.")
+    steps: list[int] | None = Field(
+        None, description="All steps of a continuous window labelled `step` (default: [step])."
+    )
+    tool: Tool | None = None
+    activities: list[Activity] | None = Field(None, min_length=1)
+    record_shapes: bool | None = None
+    with_stack: bool | None = None
+    with_memory: bool | None = None
+    max_forward_steps: int | None = Field(None, ge=1)
+    max_duration_s: float | None = Field(None, gt=0)
+    tag: SafeName | None = None
+
+
+class StopProfileRequest(StrictModel):
+    step: int = Field(ge=1)
+    pause: bool = Field(
+        False,
+        description="Hold admission of new engine steps until the next /weights/update or "
+        "/profile/start (the trainer client sets it: nothing runs unprofiled in the gap).",
+    )
+
+
+class UpdateWeightsRequest(StrictModel):
+    version: int = Field(ge=0, description="Parameter version; must not decrease.")
+    path: str = Field(min_length=1, description="safetensors file or directory of them.")
+    resume: bool = Field(
+        True,
+        description="Re-open admission after loading. False keeps engine steps held for the "
+        "/profile/start that follows, so no step on the new weights runs unprofiled.",
+    )
+
+
+class ReplicaReport(BaseModel):
+    """One replica's answer to a control call."""
+
+    replica_id: str
+    pid: int | None = None
+    node_id: str | None = None
+    ok: bool = True
+    conflict: bool = False
+    state: str | None = None
+    active_step: int | None = None
+    weight_version: int | None = None
+    paused: bool | None = None
+    forward_steps: int | None = None
+    files: list[str] = Field(default_factory=list)
+    stop_ack_s: float | None = None
+    load_s: float | None = None
+    error: str | None = None
+
+
+class StartProfileResponse(BaseModel):
+    step: int
+    steps: list[int]
+    state: Literal["profiling", "already_profiling"]
+    replicas: list[ReplicaReport]
+
+
+class StopProfileResponse(BaseModel):
+    step: int | None
+    stopped: bool
+    replicas: list[ReplicaReport] = Field(default_factory=list)
+    manifest: str | None = Field(None, description="Path of step_<k>/manifest.json.")
+    critical_path_s: float | None = None
+
+
+class UpdateWeightsResponse(BaseModel):
+    version: int
+    replicas: list[ReplicaReport]
+    load_s: float | None = Field(None, description="Slowest replica's load seconds.")
+
+
+class StatusResponse(BaseModel):
+    state: Literal["idle", "profiling"]
+    active_step: int | None
+    steps: list[int] = Field(default_factory=list)
+    weight_version: int
+    paused: bool
+    replicas: list[ReplicaReport]
+
+
+class StepSummary(BaseModel):
+    step: int
+    steps: list[int]
+    status: ManifestStatus
+
+
+class StepsResponse(BaseModel):
+    save_path: str
+    steps: list[StepSummary]
+
+
+class ErrorResponse(BaseModel):
+    detail: str
+    replicas: list[ReplicaReport] = Field(default_factory=list)
+
+
+# -- OpenAI completions subset ------------------------------------------------------------
+
+
+class CompletionRequest(StrictModel):
+    model: str | None = None
+    prompt: str | list[int] | list[str] = Field(min_length=1)
+    max_tokens: int = Field(16, ge=1, le=1024)
+    temperature: float = Field(1.0, ge=0.0, le=10.0)
+    logprobs: int | None = Field(None, ge=0, le=1, description="0 or 1: sampled token's logprob.")
+    seed: int | None = None
+    n: Literal[1] = 1
+    stream: Literal[False] = False
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: Literal["stop", "length"]
+    logprobs: CompletionLogprobs | None = None
+    token_ids: list[int]
+    prompt_token_ids: list[int]
+    weight_version: int
+    """Oldest weight version that produced a token of this choice."""
+    weight_versions: list[int]
+
+
+class CompletionUsage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: CompletionUsage
+    weight_version: int
+    """Oldest weight version over all choices."""
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "rollout-profiler"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

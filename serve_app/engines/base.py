@@ -1,0 +1,75 @@
+"""What a rollout engine offers the replica: generation, profiling, weight updates, status."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from pydantic import BaseModel, Field
+
+from profiling.manifest import ManifestEntry
+from profiling.session import SessionSpec, StopOutcome
+
+
+class GenerateRequest(BaseModel):
+    prompt_token_ids: list[int] = Field(min_length=1)
+    max_tokens: int = Field(16, ge=1)
+    temperature: float = Field(1.0, ge=0.0)
+    seed: int | None = None
+
+
+class GenerateResult(BaseModel):
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    weight_versions: list[int]
+
+
+class EngineStatus(BaseModel):
+    state: str
+    active_step: int | None
+    weight_version: int
+    paused: bool
+    forward_steps: int
+    exports_pending: int
+
+
+class RolloutEngine(ABC):
+    """One engine inside one replica. Profiling calls are keyed by the step they belong to."""
+
+    model_name: str
+
+    @abstractmethod
+    def tokenize(self, text: str) -> list[int]: ...
+
+    @abstractmethod
+    def detokenize(self, token_ids: list[int]) -> str: ...
+
+    @abstractmethod
+    def token_strings(self, token_ids: list[int]) -> list[str]: ...
+
+    @abstractmethod
+    async def generate(self, request: GenerateRequest) -> GenerateResult: ...
+
+    @abstractmethod
+    async def start_profile(self, spec: SessionSpec) -> bool:
+        """Start recording; resumes admission. False: that step was already recording."""
+
+    @abstractmethod
+    async def stop_profile(self, step: int | None, pause: bool) -> StopOutcome:
+        """Stop recording `step` (None: only apply `pause`); answer once the window is closed."""
+
+    @abstractmethod
+    async def update_weights(self, version: int, path: str | None, resume: bool) -> float:
+        """Load `path` as `version` between engine steps; returns seconds spent."""
+
+    @abstractmethod
+    async def wait_exported(self, step: int, timeout_s: float) -> ManifestEntry | None: ...
+
+    @abstractmethod
+    def status(self) -> EngineStatus: ...
+
+    @abstractmethod
+    def healthy(self) -> bool: ...
+
+    @abstractmethod
+    async def shutdown(self) -> None: ...

@@ -1,0 +1,68 @@
+"""Control calls to every replica through DeploymentHandle.broadcast, never the load balancer.
+
+Each replica answers with a ReplicaReport naming itself; a replica that raised, died, or did not
+answer within the timeout becomes an `ok: false` report instead of failing the whole call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from ray.serve.handle import DeploymentHandle
+
+from serve_app.api import ReplicaReport
+
+UNKNOWN = "unknown"
+
+
+async def broadcast(
+    handle: DeploymentHandle,
+    method: str,
+    *args: Any,
+    timeout_s: float,
+    expected: set[str] | None = None,
+    **kwargs: Any,
+) -> list[ReplicaReport]:
+    """Call `method` on every live replica concurrently; one report per replica.
+
+    `expected` names replicas that should answer; each one that does not gets its own
+    `ok: false` report (it died or timed out), so failures are never anonymous when known.
+    """
+    deadline = time.monotonic() + timeout_s
+    response = handle.broadcast(method, *args, **kwargs)
+    try:
+        # Per-replica results: results_async() would fail the whole call on one slow replica.
+        replica_results = await asyncio.wait_for(response._fetch_replica_results_async(), timeout_s)
+    except (asyncio.TimeoutError, TimeoutError):
+        replica_results = []
+    except Exception as e:  # noqa: BLE001 - e.g. DeploymentUnavailableError: no replica at all
+        return _missing(expected, f"no replica reachable: {e}")
+    tasks = [asyncio.ensure_future(rr.get_async()) for rr in replica_results]
+    if tasks:
+        await asyncio.wait(tasks, timeout=max(0.0, deadline - time.monotonic()))
+    reports: list[ReplicaReport] = []
+    anonymous: list[str] = []
+    for task in tasks:
+        if not task.done():
+            task.cancel()
+            anonymous.append(f"no answer within {timeout_s:.1f}s")
+        elif task.exception() is not None:
+            anonymous.append(f"{type(task.exception()).__name__}: {task.exception()}")
+        else:
+            reports.append(ReplicaReport.model_validate(task.result()))
+    answered = {r.replica_id for r in reports}
+    missing = sorted((expected or set()) - answered)
+    for i, rid in enumerate(missing):
+        why = anonymous[i] if i < len(anonymous) else "replica died or was removed"
+        reports.append(ReplicaReport(replica_id=rid, ok=False, error=why))
+    for why in anonymous[len(missing) :]:
+        reports.append(ReplicaReport(replica_id=UNKNOWN, ok=False, error=why))
+    return reports
+
+
+def _missing(expected: set[str] | None, why: str) -> list[ReplicaReport]:
+    if not expected:
+        return [ReplicaReport(replica_id=UNKNOWN, ok=False, error=why)]
+    return [ReplicaReport(replica_id=rid, ok=False, error=why) for rid in sorted(expected)]

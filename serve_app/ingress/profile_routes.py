@@ -1,0 +1,53 @@
+"""/profile/*: start, stop, status, recorded steps."""
+
+from __future__ import annotations
+
+from fastapi import Depends
+
+from profiling.manifest import StepManifest
+from serve_app.api import (
+    ErrorResponse,
+    StartProfileRequest,
+    StartProfileResponse,
+    StatusResponse,
+    StepsResponse,
+    StopProfileRequest,
+    StopProfileResponse,
+)
+from serve_app.control import ControlPlane
+from serve_app.ingress.auth import require_control_token
+
+_guard = {"dependencies": [Depends(require_control_token)], "tags": ["profile"]}
+_errors = {409: {"model": ErrorResponse}, 422: {"model": ErrorResponse}, 507: {"model": ErrorResponse}}
+
+
+class ProfileRoutesMixin:
+    control: ControlPlane
+
+    ENDPOINTS = {
+        "start_profile": lambda app: app.post("/profile/start", responses=_errors, **_guard),
+        "stop_profile": lambda app: app.post("/profile/stop", responses=_errors, **_guard),
+        "profile_status": lambda app: app.get("/profile/status", **_guard),
+        "profile_steps": lambda app: app.get("/profile/steps", **_guard),
+        "profile_step": lambda app: app.get("/profile/steps/{k}", responses={404: {"model": ErrorResponse}}, **_guard),
+    }
+
+    async def start_profile(self, body: StartProfileRequest) -> StartProfileResponse:
+        """Start profiling step k on every replica (idempotent for the active step)."""
+        return await self.control.start(body)
+
+    async def stop_profile(self, body: StopProfileRequest) -> StopProfileResponse:
+        """Stop profiling step k; answers once recording is closed, traces export after."""
+        return await self.control.stop(body)
+
+    async def profile_status(self) -> StatusResponse:
+        """Active step, weight version, and each replica's state."""
+        return await self.control.status()
+
+    async def profile_steps(self) -> StepsResponse:
+        """Every recorded step under save_path with its manifest status."""
+        return self.control.steps()
+
+    async def profile_step(self, k: int) -> StepManifest:
+        """One step's manifest."""
+        return self.control.step(k)

@@ -1,0 +1,151 @@
+"""The rollout replica deployment: one engine, one profiling session, reached by handle only.
+
+Control methods return a ReplicaReport naming the replica, since broadcast results carry no
+replica id. A replica that starts while a step is profiled (late join, restart) converges to the
+desired state in its constructor: current weights, active step, admission hold.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+import ray
+from ray import serve
+
+from profiling.manifest import ManifestEntry
+from profiling.session import ProfileSession, SessionConflict, SessionSpec
+from profiling.store import TraceStore
+from serve_app.api import CompletionChoice, CompletionLogprobs, CompletionRequest, ReplicaReport
+from serve_app.config import AppArgs
+from serve_app.desired_state import DesiredStateStore
+from serve_app.engines import create_engine
+from serve_app.engines.base import GenerateRequest
+from serve_app.weights import WeightsError
+
+log = logging.getLogger(__name__)
+
+
+class RolloutReplica:
+    async def __init__(self, args: AppArgs):
+        ctx = serve.get_replica_context()
+        self.replica_id = ctx.replica_tag
+        self._args = args
+        self._node_id = ray.get_runtime_context().get_node_id()
+        self._session = ProfileSession(
+            store=TraceStore(args.save_path),
+            entry_identity=ManifestEntry(
+                role="rollout", replica_id=self.replica_id, node_id=self._node_id
+            ),
+            exporter=ThreadPoolExecutor(1, thread_name_prefix="trace-export"),
+        )
+        self.engine = create_engine(args, self._session)
+        await self._join(DesiredStateStore(ctx.app_name))
+
+    async def _join(self, store: DesiredStateStore) -> None:
+        desired = await store.get()
+        if desired.weight_version > 0 and desired.weights_path:
+            await self.engine.update_weights(desired.weight_version, desired.weights_path, resume=True)
+        if desired.active is not None:
+            spec = desired.active.model_copy(update={"late_start": True})
+            log.info("joining active step %s late", spec.step)
+            await self.engine.start_profile(spec)
+        if desired.paused:
+            await self.engine.stop_profile(None, pause=True)
+
+    def _report(self, **fields) -> ReplicaReport:
+        st = self.engine.status()
+        base = dict(
+            replica_id=self.replica_id,
+            pid=os.getpid(),
+            node_id=self._node_id,
+            state=st.state,
+            active_step=st.active_step,
+            weight_version=st.weight_version,
+            paused=st.paused,
+            forward_steps=st.forward_steps,
+        )
+        base.update(fields)
+        return ReplicaReport(**base)
+
+    # -- generation (load balanced) -----------------------------------------------------------
+    async def complete(self, prompt: str | list[int], request: CompletionRequest, index: int) -> CompletionChoice:
+        """One OpenAI completion choice for one prompt."""
+        engine = self.engine
+        prompt_ids = engine.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        if not prompt_ids:
+            raise ValueError("prompt is empty after tokenization")
+        result = await engine.generate(
+            GenerateRequest(
+                prompt_token_ids=prompt_ids,
+                max_tokens=request.max_tokens,
+                temperature=request.temperature,
+                seed=None if request.seed is None else request.seed + index,
+            )
+        )
+        logprobs = None
+        if request.logprobs is not None:
+            logprobs = CompletionLogprobs(
+                tokens=engine.token_strings(result.token_ids), token_logprobs=result.logprobs
+            )
+        return CompletionChoice(
+            index=index,
+            text=engine.detokenize(result.token_ids),
+            finish_reason=result.finish_reason,
+            logprobs=logprobs,
+            token_ids=result.token_ids,
+            prompt_token_ids=prompt_ids,
+            weight_version=min(result.weight_versions),
+            weight_versions=result.weight_versions,
+        )
+
+    # -- control (broadcast) ------------------------------------------------------------------
+    async def start_profile(self, spec: SessionSpec) -> ReplicaReport:
+        try:
+            started = await self.engine.start_profile(spec)
+        except SessionConflict as e:
+            return self._report(ok=False, conflict=True, error=str(e))
+        except Exception as e:  # noqa: BLE001 - reported per replica
+            return self._report(ok=False, error=f"start failed: {e}")
+        return self._report(state="profiling" if started else self.engine.status().state)
+
+    async def stop_profile(self, step: int | None, pause: bool) -> ReplicaReport:
+        t0 = time.perf_counter()
+        try:
+            outcome = await self.engine.stop_profile(step, pause)
+        except SessionConflict as e:
+            return self._report(ok=False, conflict=True, error=str(e))
+        except Exception as e:  # noqa: BLE001
+            return self._report(ok=False, error=f"stop failed: {e}")
+        return self._report(
+            files=outcome.files,
+            forward_steps=outcome.forward_steps,
+            stop_ack_s=time.perf_counter() - t0,
+        )
+
+    async def update_weights(self, version: int, path: str | None, resume: bool) -> ReplicaReport:
+        try:
+            load_s = await self.engine.update_weights(version, path, resume)
+        except WeightsError as e:
+            return self._report(ok=False, error=str(e))
+        except Exception as e:  # noqa: BLE001
+            return self._report(ok=False, error=f"weight update failed: {e}")
+        return self._report(load_s=load_s)
+
+    async def status(self) -> ReplicaReport:
+        return self._report()
+
+    async def export_report(self, step: int) -> ReplicaReport:
+        """Answers once this replica's trace export for `step` has finished."""
+        entry = await self.engine.wait_exported(step, self._args.export_timeout_s)
+        if entry is None:
+            return self._report(ok=False, error=f"this replica recorded nothing for step {step}")
+        return self._report(ok=entry.status == "ok", files=entry.files, error=entry.error)
+
+    async def check_health(self) -> None:
+        if not self.engine.healthy():
+            raise RuntimeError("model thread is not running")
+
+    async def __del__(self) -> None:
+        await self.engine.shutdown()

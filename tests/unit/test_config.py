@@ -1,0 +1,139 @@
+"""Config models: unknown keys are errors that name the dotted key; steps are validated."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from profiling.config import GlobalProfilerConfig, check_safe_name, ProfileOptions, describe_validation_error
+
+
+def error_of(fn) -> ValidationError:
+    with pytest.raises(ValidationError) as ei:
+        fn()
+    return ei.value
+
+
+# -- unknown keys ------------------------------------------------------------------------
+
+
+def test_profile_options_unknown_key_named_with_prefix():
+    err = error_of(lambda: ProfileOptions.model_validate({"recordshapes": True}))
+    assert describe_validation_error(err, "profiler") == "unknown key 'profiler.recordshapes'"
+
+
+def test_global_profiler_unknown_key_named_with_prefix():
+    err = error_of(lambda: GlobalProfilerConfig.model_validate({"steps": [1], "step": [2]}))
+    assert describe_validation_error(err, "global_profiler") == "unknown key 'global_profiler.step'"
+
+
+def test_unknown_key_without_prefix():
+    err = error_of(lambda: ProfileOptions.model_validate({"max_steps": 3}))
+    assert describe_validation_error(err) == "unknown key 'max_steps'"
+
+
+def test_nested_bad_value_named_by_dotted_path():
+    err = error_of(lambda: ProfileOptions.model_validate({"activities": ["cpu", "tpu"]}))
+    msg = describe_validation_error(err, "profiler")
+    assert msg.startswith("'profiler.activities.1':"), msg
+
+
+def test_several_problems_each_named():
+    err = error_of(lambda: ProfileOptions.model_validate({"foo": 1, "max_forward_steps": 0}))
+    msg = describe_validation_error(err, "p")
+    assert "unknown key 'p.foo'" in msg
+    assert "'p.max_forward_steps':" in msg
+    assert msg.count(";") == 1
+
+
+# -- field rules ---------------------------------------------------------------------------
+
+
+def test_profile_options_defaults_are_bounded():
+    o = ProfileOptions()
+    assert o.tool == "torch" and o.activities == ["cpu"]
+    assert o.max_forward_steps is not None and o.max_forward_steps >= 1
+    assert o.max_duration_s is not None and o.max_duration_s > 0
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        {"max_forward_steps": 0},
+        {"max_duration_s": 0},
+        {"max_duration_s": -1.0},
+        {"activities": []},
+        {"tool": "nsys-but-unknown"},
+    ],
+)
+def test_profile_options_rejects_bad_values(data):
+    with pytest.raises(ValidationError):
+        ProfileOptions.model_validate(data)
+
+
+def test_profile_options_allows_unbounded():
+    o = ProfileOptions(max_forward_steps=None, max_duration_s=None)
+    assert o.max_forward_steps is None and o.max_duration_s is None
+
+
+@pytest.mark.parametrize("steps", [[0], [1, 0, 2], [-3]])
+def test_steps_below_one_rejected(steps):
+    err = error_of(lambda: GlobalProfilerConfig(steps=steps))
+    msg = describe_validation_error(err, "global_profiler")
+    assert "'global_profiler.steps'" in msg and ">= 1" in msg
+
+
+def test_steps_sorted_and_deduplicated():
+    assert GlobalProfilerConfig(steps=[5, 1, 2, 5, 1]).steps == [1, 2, 5]
+
+
+def test_steps_none_means_off():
+    assert GlobalProfilerConfig().steps is None
+
+
+# -- merged --------------------------------------------------------------------------------
+
+
+def test_merged_overrides_only_non_none_fields():
+    base = ProfileOptions(max_forward_steps=50, record_shapes=True, max_duration_s=10.0)
+    m = base.merged(max_forward_steps=7, record_shapes=None, max_duration_s=None, with_stack=True)
+    assert m.max_forward_steps == 7
+    assert m.with_stack is True
+    assert m.record_shapes is True  # None override leaves the field alone
+    assert m.max_duration_s == 10.0
+    assert base.max_forward_steps == 50  # the original is untouched
+
+
+def test_merged_with_no_overrides_is_equal():
+    base = ProfileOptions(activities=["cpu"], with_memory=True)
+    assert base.merged() == base
+
+
+def test_merged_validates_values():
+    with pytest.raises(ValidationError):
+        ProfileOptions().merged(max_forward_steps=0)
+
+
+def test_merged_rejects_unknown_key():
+    err = error_of(lambda: ProfileOptions().merged(recordshapes=True))
+    assert describe_validation_error(err, "profiler") == "unknown key 'profiler.recordshapes'"
+
+
+# -- check_safe_name (replica ids, tags) ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["r0", "replica-1.a_b", "x" * 64, "..a", "a..", "..."])
+def test_safe_name_accepts(name):
+    assert check_safe_name(name) == name
+
+
+@pytest.mark.parametrize("name", ["", ".", "..", "a/b", "../x", "x" * 65, "a b", "é"])
+def test_safe_name_rejects(name):
+    with pytest.raises(ValueError):
+        check_safe_name(name)
+
+
+@pytest.mark.parametrize("name", ["r0\n", "x" * 64 + "\n"])
+def test_safe_name_rejects_trailing_newline(name):
+    with pytest.raises(ValueError):
+        check_safe_name(name)
