@@ -77,6 +77,7 @@ class ProfileSession:
         self._entry: ManifestEntry | None = None
         self._deadline: float | None = None
         self._exports: dict[int, Future[ManifestEntry]] = {}
+        self._annotations: dict[int, dict[str, object]] = {}
         self._lock = threading.Lock()
 
     # -- read from any thread ----------------------------------------------------------------
@@ -98,6 +99,18 @@ class ProfileSession:
     @property
     def forward_steps(self) -> int:
         return self._entry.forward_steps if self._entry else 0
+
+    def annotate(self, step: int, **fields: object) -> None:
+        """Add fields to `step`'s entry (e.g. the sync cost known only after the stop), whether
+        its export is still running or already done."""
+        with self._lock:
+            self._annotations.setdefault(step, {}).update(fields)
+            fut = self._exports.get(step)
+            if fut is None or not fut.done():
+                return  # the export applies the annotations when it writes the entry
+            entry = fut.result().model_copy(update=self._annotations.pop(step))
+            self._store.write_entry(step, entry)
+        self._store.refresh_manifest(step)
 
     def wait_exported(self, step: int, timeout: float | None = None) -> ManifestEntry | None:
         """The final entry of `step` once its export is done (None: this process has none)."""
@@ -237,7 +250,9 @@ class ProfileSession:
         entry.exporting = False
         entry.export_s = time.perf_counter() - t0
         try:
-            self._store.write_entry(step, entry)
+            with self._lock:
+                entry = entry.model_copy(update=self._annotations.pop(step, {}))
+                self._store.write_entry(step, entry)
             self._store.refresh_manifest(step)
         except OSError as e:
             entry.status, entry.error = "error", f"could not record the trace: {e}"

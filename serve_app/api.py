@@ -60,6 +60,9 @@ class ReplicaReport(BaseModel):
     weight_version: int | None = None
     paused: bool | None = None
     forward_steps: int | None = None
+    forward_steps_by_version: dict[int, int] = Field(
+        default_factory=dict, description="All forward passes the replica ran, by weight version."
+    )
     files: list[str] = Field(default_factory=list)
     stop_ack_s: float | None = None
     load_s: float | None = None

@@ -65,6 +65,7 @@ class RolloutReplica:
             weight_version=st.weight_version,
             paused=st.paused,
             forward_steps=st.forward_steps,
+            forward_steps_by_version=st.forward_steps_by_version,
         )
         base.update(fields)
         return ReplicaReport(**base)

@@ -30,6 +30,9 @@ class EngineStatus(BaseModel):
     weight_version: int
     paused: bool
     forward_steps: int
+    """Forward passes recorded in the active window."""
+    forward_steps_by_version: dict[int, int]
+    """All forward passes this engine ran, by weight version (recorded or not)."""
     exports_pending: int
 
 

@@ -77,6 +77,7 @@ class TransformersEngine(RolloutEngine):
         params = inspect.signature(self._model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self.weight_version = 0
+        self._forwards_by_version: dict[int, int] = {}
         self._pending: deque[_Sequence] = deque()
         self._pending_lock = threading.Lock()
         self._batch: _Batch | None = None
@@ -128,6 +129,8 @@ class TransformersEngine(RolloutEngine):
                     logits_to_keep=1,
                     **{self._cache_kw: batch.cache},
                 )
+            v = self.weight_version
+            self._forwards_by_version[v] = self._forwards_by_version.get(v, 0) + 1
             self._sample(batch, out.logits[:, -1, :].float())
         except Exception as e:  # noqa: BLE001 - fail this batch's requests, keep serving
             log.exception("engine step failed")
@@ -282,6 +285,7 @@ class TransformersEngine(RolloutEngine):
             weight_version=self.weight_version,
             paused=self._thread.paused,
             forward_steps=self._session.forward_steps,
+            forward_steps_by_version=dict(self._forwards_by_version),
             exports_pending=self._session.exports_pending,
         )
 

@@ -1,0 +1,92 @@
+"""`python -m trainer --config config/trainer.yaml [key.path=value ...]`: the main job."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from profiling.schedule import StepSchedule
+from profiling.store import TraceStore
+from trainer.client import RolloutClient, RolloutError
+from trainer.config import ConfigError, TrainerConfig, load_config
+from trainer.loop import RunResult, VersionStats, run_training
+from trainer.report import profile_table, wait_for_manifests
+
+cli = typer.Typer(add_completion=False, help=__doc__)
+console = Console()
+
+
+@cli.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def main(
+    ctx: typer.Context,
+    config: Annotated[Path, typer.Option(help="Trainer config (YAML).")] = Path("config/trainer.yaml"),
+) -> None:
+    """Run the fully-async RL loop with profiled weight syncs; extra KEY.PATH=VALUE override config keys."""
+    logging.basicConfig(level=logging.WARNING)
+    try:
+        cfg = load_config(config, ctx.args)
+        result = asyncio.run(_run(cfg))
+    except (ConfigError, RolloutError, ValueError) as e:
+        console.print(f"[red]error:[/red] {e}")
+        raise typer.Exit(1) from None
+    console.print(
+        f"reward {result.first_reward:.3f} (first fifth of versions) -> {result.last_reward:.3f} (last fifth); "
+        f"{result.dropped_stale} stale samples dropped"
+    )
+    if cfg.global_profiler.steps:
+        store = TraceStore(cfg.global_profiler.save_path)
+        manifests = wait_for_manifests(store, StepSchedule.from_config(cfg.global_profiler))
+        console.print(profile_table(manifests))
+        console.print(f"traces under {store.root}")
+
+
+async def _run(cfg: TrainerConfig) -> RunResult:
+    with contextlib.ExitStack() as stack:
+        url, model_dir, token = cfg.rollout.url, cfg.trainer.model_path, cfg.rollout.control_token
+        if url is None:
+            from trainer.local_app import local_rollout_app
+
+            console.print("starting a local Ray + rollout app ...")
+            app = stack.enter_context(
+                local_rollout_app(
+                    cfg.rollout.serve_config,
+                    {
+                        "save_path": cfg.global_profiler.save_path,
+                        "weights_dir": cfg.trainer.weights_dir,
+                        **({"model_path": model_dir} if model_dir else {}),
+                    },
+                )
+            )
+            url, model_dir, token = app.base_url, app.model_dir, app.args.get("control_token")
+        if model_dir is None:
+            raise ConfigError("trainer.model_path is required with rollout.url (the app's initial weights)")
+        progress = Progress(
+            TextColumn("[bold]versions"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("reward {task.fields[reward]:.3f}"),
+            TextColumn("{task.fields[rate]:.1f} samples/s"),
+            TextColumn("staleness {task.fields[staleness]:.2f}"),
+            TimeElapsedColumn(),
+            console=console,
+        )
+        task = progress.add_task("train", total=cfg.trainer.total_versions, reward=0.0, rate=0.0, staleness=0.0)
+
+        def on_version(s: VersionStats) -> None:
+            progress.update(task, advance=1, reward=s.reward, rate=s.samples_per_s, staleness=s.staleness)
+
+        async with RolloutClient(url, control_token=token) as client:
+            with progress:
+                return await run_training(cfg, client, model_dir, on_version)
+    raise AssertionError("unreachable")
+
+
+if __name__ == "__main__":
+    cli()

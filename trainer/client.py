@@ -1,0 +1,161 @@
+"""Async client of the rollout app's HTTP API (plus a small sync wrapper for scripts).
+
+Retries only where repeating is safe: reads, and the control calls whose repeat is defined to
+be harmless (start of the active step, stop when idle, the same weight version again), and only
+on connection failures or 502/503/504, never after a 4xx.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, TypeVar
+
+import httpx
+from pydantic import BaseModel
+
+from profiling.manifest import StepManifest
+from serve_app.api import (
+    CompletionRequest,
+    CompletionResponse,
+    ModelList,
+    ReplicaReport,
+    StartProfileRequest,
+    StartProfileResponse,
+    StatusResponse,
+    StepsResponse,
+    StopProfileRequest,
+    StopProfileResponse,
+    UpdateWeightsRequest,
+    UpdateWeightsResponse,
+)
+
+R = TypeVar("R", bound=BaseModel)
+_RETRY_STATUS = {502, 503, 504}
+
+
+class RolloutError(RuntimeError):
+    """The app refused a call: carries its status, its message, and per-replica results."""
+
+    def __init__(self, method: str, path: str, status: int, detail: str, replicas: list[ReplicaReport]):
+        self.status, self.detail, self.replicas = status, detail, replicas
+        failed = ", ".join(f"{r.replica_id}: {r.error}" for r in replicas if not r.ok)
+        super().__init__(f"{method} {path} -> {status}: {detail}" + (f" [{failed}]" if failed else ""))
+
+
+class RolloutClient:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        control_token: str | None = None,
+        timeout_s: float = 60.0,
+        retries: int = 2,
+        retry_backoff_s: float = 0.5,
+    ):
+        headers = {"Authorization": f"Bearer {control_token}"} if control_token else {}
+        self._http = httpx.AsyncClient(
+            base_url=base_url.rstrip("/"),
+            headers=headers,
+            timeout=timeout_s,
+            limits=httpx.Limits(max_connections=64, max_keepalive_connections=64),
+        )
+        self._retries = retries
+        self._backoff = retry_backoff_s
+
+    async def __aenter__(self) -> RolloutClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def _call(
+        self, method: str, path: str, model: type[R], body: BaseModel | None = None, *, retry: bool
+    ) -> R:
+        payload = body.model_dump(mode="json", exclude_none=True) if body is not None else None
+        attempts = 1 + (self._retries if retry else 0)
+        for attempt in range(attempts):
+            try:
+                resp = await self._http.request(method, path, json=payload)
+            except httpx.TransportError as e:
+                if attempt + 1 == attempts:
+                    raise RolloutError(method, path, 0, f"cannot reach the app: {e!r}", []) from e
+            else:
+                if resp.status_code < 400:
+                    return model.model_validate(resp.json())
+                if resp.status_code not in _RETRY_STATUS or attempt + 1 == attempts:
+                    raise _error(method, path, resp)
+            await asyncio.sleep(self._backoff * 2**attempt)
+        raise AssertionError("unreachable")
+
+    # -- profiling ---------------------------------------------------------------------------
+    async def start_profile(self, step: int, **options: Any) -> StartProfileResponse:
+        """Start step `step` on every replica; `options` are StartProfileRequest fields."""
+        body = StartProfileRequest(step=step, **options)
+        return await self._call("POST", "/profile/start", StartProfileResponse, body, retry=True)
+
+    async def stop_profile(self, step: int, *, pause: bool = False) -> StopProfileResponse:
+        body = StopProfileRequest(step=step, pause=pause)
+        return await self._call("POST", "/profile/stop", StopProfileResponse, body, retry=True)
+
+    async def update_weights(self, version: int, path: str, *, resume: bool = True) -> UpdateWeightsResponse:
+        body = UpdateWeightsRequest(version=version, path=path, resume=resume)
+        return await self._call("POST", "/weights/update", UpdateWeightsResponse, body, retry=True)
+
+    async def status(self) -> StatusResponse:
+        return await self._call("GET", "/profile/status", StatusResponse, retry=True)
+
+    async def steps(self) -> StepsResponse:
+        return await self._call("GET", "/profile/steps", StepsResponse, retry=True)
+
+    async def step(self, k: int) -> StepManifest:
+        return await self._call("GET", f"/profile/steps/{k}", StepManifest, retry=True)
+
+    # -- generation --------------------------------------------------------------------------
+    async def complete(self, prompt: str | list[int] | list[str], **fields: Any) -> CompletionResponse:
+        """/v1/completions; `fields` are CompletionRequest fields (max_tokens, temperature, ...)."""
+        body = CompletionRequest(prompt=prompt, **fields)
+        return await self._call("POST", "/v1/completions", CompletionResponse, body, retry=True)
+
+    async def models(self) -> ModelList:
+        return await self._call("GET", "/v1/models", ModelList, retry=True)
+
+
+def _error(method: str, path: str, resp: httpx.Response) -> RolloutError:
+    try:
+        data = resp.json()
+    except ValueError:
+        data = {"detail": resp.text}
+    detail = data.get("detail") if isinstance(data, dict) else data
+    replicas = [ReplicaReport.model_validate(r) for r in data.get("replicas", [])] if isinstance(data, dict) else []
+    return RolloutError(method, path, resp.status_code, str(detail), replicas)
+
+
+class SyncRolloutClient:
+    """Blocking wrapper for scripts: the same methods, run on a private event loop."""
+
+    def __init__(self, base_url: str, **kwargs: Any):
+        self._loop = asyncio.new_event_loop()
+        self._client = self._loop.run_until_complete(_make(base_url, kwargs))
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._client, name)
+        if not asyncio.iscoroutinefunction(attr):
+            return attr
+        return lambda *a, **kw: self._loop.run_until_complete(attr(*a, **kw))
+
+    def close(self) -> None:
+        self._loop.run_until_complete(self._client.aclose())
+        self._loop.close()
+
+    def __enter__(self) -> SyncRolloutClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+async def _make(base_url: str, kwargs: dict[str, Any]) -> RolloutClient:
+    return RolloutClient(base_url, **kwargs)  # httpx binds its pool to the loop that makes it

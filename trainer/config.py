@@ -1,0 +1,79 @@
+"""The trainer's config (config/trainer.yaml), verl-style keys, with dotted-path overrides."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import Field, ValidationError
+
+from profiling.config import GlobalProfilerConfig, ProfileOptions, StrictModel, describe_validation_error
+
+
+class TrainerSection(StrictModel):
+    total_versions: int = Field(30, ge=1, description="Weight versions to publish.")
+    trigger_parameter_sync_step: int = Field(2, ge=1, description="Mini-batches per version.")
+    mini_batch_size: int = Field(16, ge=2)
+    lr: float = Field(0.01, gt=0)
+    seed: int = 0
+    clip_ratio: float = Field(0.2, gt=0, description="PPO-style ratio clip for stale samples.")
+    reward_text: str = Field(" the", description="Reward: share of completion tokens equal to this token.")
+    model_path: str | None = Field(None, description="Initial HF checkpoint; null: the app's tiny Llama.")
+    weights_dir: str = Field("outputs/weights", description="Where published versions are written.")
+    keep_versions: int = Field(3, ge=1, description="Published weight files kept on disk.")
+
+
+class RolloutSection(StrictModel):
+    url: str | None = Field(None, description="A running app; null starts one from serve_config.")
+    serve_config: str = "config/serve.yaml"
+    control_token: str | None = None
+    max_staleness: int = Field(2, ge=0, description="Drop samples older than this many versions.")
+    max_tokens: int = Field(16, ge=1)
+    temperature: float = Field(1.0, gt=0)
+    concurrency: int = Field(4, ge=1, description="Completion requests in flight.")
+    prompts_per_request: int = Field(4, ge=1)
+
+
+class TrainerConfig(StrictModel):
+    global_profiler: GlobalProfilerConfig = Field(default_factory=GlobalProfilerConfig)
+    profiler: ProfileOptions = Field(default_factory=ProfileOptions, description="Trainer-side window options.")
+    trainer: TrainerSection = Field(default_factory=TrainerSection)
+    rollout: RolloutSection = Field(default_factory=RolloutSection)
+
+
+class ConfigError(ValueError):
+    """A config file or override that cannot be used; the message names the key."""
+
+
+def apply_override(data: dict[str, Any], override: str) -> None:
+    """Apply `a.b.c=value` (value parsed as YAML: 6, [1,2,5], null, true) to nested `data`."""
+    key, sep, raw = override.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override {override!r} is not of the form key.path=value")
+    parts = key.strip().split(".")
+    node = data
+    for p in parts[:-1]:
+        child = node.setdefault(p, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {override!r}: '{p}' is not a section")
+        node = child
+    try:
+        node[parts[-1]] = yaml.safe_load(raw)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {override!r}: value is not valid YAML ({e})") from e
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainerConfig:
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except OSError as e:
+            raise ConfigError(f"cannot read config {path}: {e.strerror}") from e
+    for o in overrides:
+        apply_override(data, o)
+    try:
+        return TrainerConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(f"invalid config: {describe_validation_error(e)}") from None

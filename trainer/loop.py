@@ -1,0 +1,194 @@
+"""The reference fully-async RL loop (the main job).
+
+A rollout producer keeps completions coming (token ids, logprobs, the weight version that made
+them) while the trainer takes mini-batches, steps the optimizer, and every
+`trigger_parameter_sync_step` mini-batches publishes a new version through the profiled sync.
+Samples more than `max_staleness` versions old are dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from pydantic import BaseModel, Field
+
+from profiling.manifest import SyncCost
+from profiling.schedule import StepSchedule
+from trainer.client import RolloutClient
+from trainer.config import TrainerConfig
+from trainer.policy import Policy, Sample
+from trainer.profiled_sync import ProfiledWeightSync
+
+PROMPTS = [
+    "The rollout server",
+    "One two three",
+    "Red green blue",
+    "The quick brown fox",
+    "A weight update",
+    "Every replica keeps",
+    "Questions and answers",
+    "Numbers: 0 1 2",
+]
+
+
+class VersionStats(BaseModel):
+    version: int
+    reward: float
+    loss: float
+    staleness: float
+    samples_per_s: float
+    sync: SyncCost
+
+
+class RunResult(BaseModel):
+    versions: list[VersionStats] = Field(default_factory=list)
+    dropped_stale: int = 0
+
+    @property
+    def first_reward(self) -> float:
+        head = self.versions[: max(1, len(self.versions) // 5)]
+        return sum(v.reward for v in head) / len(head)
+
+    @property
+    def last_reward(self) -> float:
+        tail = self.versions[-max(1, len(self.versions) // 5) :]
+        return sum(v.reward for v in tail) / len(tail)
+
+
+ProgressHook = Callable[[VersionStats], None]
+
+
+async def _produce(
+    client: RolloutClient, cfg: TrainerConfig, target: int, queue: asyncio.Queue[Sample], worker: int
+) -> None:
+    r = cfg.rollout
+    n = worker
+    while True:
+        prompts = [PROMPTS[(n + i) % len(PROMPTS)] for i in range(r.prompts_per_request)]
+        n += r.prompts_per_request
+        resp = await client.complete(
+            prompts, max_tokens=r.max_tokens, temperature=r.temperature, logprobs=1
+        )
+        for c in resp.choices:
+            reward = sum(t == target for t in c.token_ids) / max(1, len(c.token_ids))
+            sample = Sample(
+                prompt_ids=c.prompt_token_ids,
+                completion_ids=c.token_ids,
+                logprobs=c.logprobs.token_logprobs if c.logprobs else [],
+                weight_version=c.weight_version,
+                reward=reward,
+            )
+            await queue.put(sample)
+
+
+async def run_training(
+    cfg: TrainerConfig,
+    client: RolloutClient,
+    model_dir: str,
+    on_version: ProgressHook | None = None,
+) -> RunResult:
+    """Train for `total_versions` versions against the app behind `client`."""
+    t = cfg.trainer
+    executor = ThreadPoolExecutor(1, thread_name_prefix="trainer-model")
+    loop = asyncio.get_running_loop()
+    policy = await loop.run_in_executor(executor, Policy, model_dir, t.lr, t.clip_ratio, t.seed)
+    target = policy.token_id(t.reward_text)
+    weights_dir = Path(t.weights_dir).resolve()
+    schedule = StepSchedule.from_config(cfg.global_profiler)
+    sync = ProfiledWeightSync(
+        schedule,
+        client,
+        save_path=cfg.global_profiler.save_path if cfg.global_profiler.steps else None,
+        options=cfg.profiler,
+        model_executor=executor,
+    )
+    result = RunResult()
+    queue: asyncio.Queue[Sample] = asyncio.Queue(maxsize=t.mini_batch_size * 2)
+    producers: list[asyncio.Task] = []
+    try:
+        async with sync:
+            producers = [
+                asyncio.create_task(_produce(client, cfg, target, queue, i)) for i in range(cfg.rollout.concurrency)
+            ]
+            for version in range(1, t.total_versions + 1):
+                stats = await _train_version(cfg, policy, sync, queue, producers, executor, version, result)
+                path = weights_dir / f"v{version}.safetensors"
+                report = await sync.sync(
+                    version, lambda: loop.run_in_executor(executor, policy.save, path)
+                )
+                _prune(weights_dir, version, t.keep_versions)
+                stats.sync = report.cost
+                result.versions.append(stats)
+                if on_version:
+                    on_version(stats)
+    finally:
+        for p in producers:
+            p.cancel()
+        await asyncio.gather(*producers, return_exceptions=True)
+        await sync.wait_exported()
+        sync.shutdown()
+    return result
+
+
+async def _train_version(
+    cfg: TrainerConfig,
+    policy: Policy,
+    sync: ProfiledWeightSync,
+    queue: asyncio.Queue[Sample],
+    producers: list[asyncio.Task],
+    executor: ThreadPoolExecutor,
+    version: int,
+    result: RunResult,
+) -> VersionStats:
+    """The mini-batches that produce `version` (trained from version-1)."""
+    t = cfg.trainer
+    loop = asyncio.get_running_loop()
+    rewards, losses, staleness = [], [], []
+    t0, taken = time.perf_counter(), 0
+    for _ in range(t.trigger_parameter_sync_step):
+        batch: list[Sample] = []
+        while len(batch) < t.mini_batch_size:
+            sample = await _next_sample(queue, producers)
+            taken += 1
+            lag = (version - 1) - sample.weight_version
+            if lag > cfg.rollout.max_staleness:
+                result.dropped_stale += 1
+                continue
+            batch.append(sample)
+            staleness.append(lag)
+
+        def step(b: list[Sample] = batch) -> float:
+            with sync.fit_step(version - 1):
+                return policy.train_step(b)
+
+        losses.append(await loop.run_in_executor(executor, step))
+        rewards.extend(s.reward for s in batch)
+    elapsed = time.perf_counter() - t0
+    return VersionStats(
+        version=version,
+        reward=sum(rewards) / len(rewards),
+        loss=sum(losses) / len(losses),
+        staleness=sum(staleness) / len(staleness),
+        samples_per_s=taken / elapsed if elapsed > 0 else 0.0,
+        sync=SyncCost(),
+    )
+
+
+async def _next_sample(queue: asyncio.Queue[Sample], producers: list[asyncio.Task]) -> Sample:
+    """The next sample; re-raises a producer's failure instead of waiting forever."""
+    while True:
+        try:
+            return await asyncio.wait_for(queue.get(), timeout=1.0)
+        except asyncio.TimeoutError:
+            for p in producers:
+                if p.done() and not p.cancelled() and p.exception() is not None:
+                    raise p.exception()
+
+
+def _prune(weights_dir: Path, version: int, keep: int) -> None:
+    for v in range(max(1, version - keep - 5), version - keep + 1):
+        (weights_dir / f"v{v}.safetensors").unlink(missing_ok=True)

@@ -1,0 +1,169 @@
+"""The profiled weight sync: the one object that calls stop -> update_weights -> start in order.
+
+    async with ProfiledWeightSync(schedule, client, ...) as sync:   # begin(): start step 1
+        ... train, with sync.fit_step(version) around each mini-batch ...
+        await sync.sync(k, publish)                                  # at each new version
+    # end(): whatever is active is stopped, also on an exception
+
+At the sync publishing version k (DESIGN.md §2): if step k is profiled, stop it with admission
+held; update the weights (keeping the hold if step k+1 is profiled); start step k+1 if profiled.
+A sync whose steps are not profiled makes no profiling call at all. The trainer's own
+torch.profiler window per profiled step covers the mini-batches that produce version k and is
+written to step_<k>/trainer/rank_<r>/ with the sync's critical-path cost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from concurrent.futures import Executor, ThreadPoolExecutor
+from typing import TypeVar
+
+from pydantic import BaseModel
+
+from profiling.config import ProfileOptions
+from profiling.manifest import ManifestEntry, SyncCost
+from profiling.schedule import StepSchedule, SyncPlan
+from profiling.session import ProfileSession, SessionSpec
+from profiling.store import TraceStore
+from trainer.client import RolloutClient
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+
+class SyncReport(BaseModel):
+    """What one sync did and what it cost on the critical path."""
+
+    plan: SyncPlan
+    cost: SyncCost
+    update_s: float
+
+
+class ProfiledWeightSync:
+    def __init__(
+        self,
+        schedule: StepSchedule,
+        client: RolloutClient,
+        *,
+        save_path: str | None,
+        options: ProfileOptions | None = None,
+        rank: int = 0,
+        model_executor: Executor | None = None,
+    ):
+        """`save_path`: where the trainer writes its own traces (None: rollout side only).
+        `model_executor`: the single thread that runs the trainer's model; trainer profiling
+        is started and stopped there (torch.profiler records per thread)."""
+        self.schedule = schedule
+        self.client = client
+        self.options = options or ProfileOptions()
+        self.active: int | None = None
+        self._executor = model_executor or ThreadPoolExecutor(1, thread_name_prefix="trainer-model")
+        self._session = (
+            ProfileSession(
+                store=TraceStore(save_path),
+                entry_identity=ManifestEntry(role="trainer", rank=rank),
+                exporter=ThreadPoolExecutor(1, thread_name_prefix="trainer-export"),
+            )
+            if save_path
+            else None
+        )
+        self._version = 0
+
+    async def __aenter__(self) -> ProfiledWeightSync:
+        await self.begin()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.end()
+
+    # -- the trainer's model thread ----------------------------------------------------------
+    @contextlib.contextmanager
+    def fit_step(self, version: int) -> Iterator[None]:
+        """Wrap one mini-batch (call it on the model executor's thread)."""
+        if self._session is None:
+            yield
+            return
+        with self._session.forward_step(version):
+            yield
+
+    async def _on_model_thread(self, fn: Callable[[], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    async def begin(self, version: int = 0) -> None:
+        """Training starts with `version` loaded: start step 1 if it is profiled."""
+        self._version = version
+        label = self.schedule.begin() if version == 0 else None
+        if label is not None:
+            await self.client.start_profile(label, steps=list(self.schedule.window_steps(label)))
+            await self._start_trainer(label)
+            self.active = label
+
+    async def sync(self, version: int, publish: Callable[[], Awaitable[str | Path]] | str | Path) -> SyncReport:
+        """Publish `version`: write the weights (`publish` returns their path), then
+        stop -> update_weights -> start as the schedule says."""
+        plan = self.schedule.sync(version)
+        path = str(publish if isinstance(publish, (str, Path)) else await publish())
+        cost = SyncCost()
+        if plan.stop_step is not None:
+            t0 = time.perf_counter()
+            await self.client.stop_profile(plan.stop_step, pause=True)
+            cost.stop_s = time.perf_counter() - t0
+            self.active = None
+        t0 = time.perf_counter()
+        await self.client.update_weights(version, path, resume=plan.start_step is None)
+        cost.update_s = update_s = time.perf_counter() - t0
+        self._version = version
+        if plan.start_step is not None:
+            t0 = time.perf_counter()
+            await self.client.start_profile(plan.start_step, steps=list(self.schedule.window_steps(plan.start_step)))
+            cost.start_s = time.perf_counter() - t0
+            self.active = plan.start_step
+        # Trainer-side window: off the rollout's critical path (nothing trains during a sync).
+        if plan.update_inside_window and self._session is not None:
+            await self._on_model_thread(lambda: self._session.mark_weight_update(version, lambda: None))
+        if plan.stop_step is not None:
+            await self._stop_trainer(plan.stop_step, cost)
+        if plan.start_step is not None:
+            await self._start_trainer(plan.start_step)
+        return SyncReport(plan=plan, cost=cost, update_s=update_s)
+
+    async def end(self) -> None:
+        """Stop whatever is active (also after an exception); never raises for a dead app."""
+        label, self.active = self.active, None
+        if label is None:
+            return
+        try:
+            await self.client.stop_profile(label)
+        except Exception as e:  # noqa: BLE001 - cleanup must reach the trainer side too
+            log.error("could not stop rollout profiling of step %s: %s", label, e)
+        await self._stop_trainer(label, None)
+
+    # -- trainer-side profiling --------------------------------------------------------------
+    async def _start_trainer(self, label: int) -> None:
+        if self._session is None:
+            return
+        spec = SessionSpec(step=label, steps=list(self.schedule.window_steps(label)), options=self.options)
+        await self._on_model_thread(lambda: self._session.start(spec, self._version))
+
+    async def _stop_trainer(self, label: int, cost: SyncCost | None) -> None:
+        if self._session is None:
+            return
+        session = self._session
+        await self._on_model_thread(lambda: session.stop(label))
+        if cost is not None:
+            session.annotate(label, sync=cost)
+
+    async def wait_exported(self, timeout_s: float = 120.0) -> None:
+        """Block until the trainer's trace exports are written (call before reading manifests)."""
+        if self._session is not None:
+            for label in [w[0] for w in self.schedule.windows]:
+                await asyncio.to_thread(self._session.wait_exported, label, timeout_s)
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=True)

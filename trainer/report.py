@@ -1,0 +1,47 @@
+"""The end-of-run table: per profiled step, its files, the sync's cost, forward steps."""
+
+from __future__ import annotations
+
+import time
+
+from rich.table import Table
+
+from profiling.manifest import StepManifest
+from profiling.schedule import StepSchedule
+from profiling.store import TraceStore
+
+
+def wait_for_manifests(store: TraceStore, schedule: StepSchedule, timeout_s: float = 120.0) -> dict[int, StepManifest | None]:
+    """Each profiled window's manifest once no export is pending (or the timeout passed)."""
+    labels = [w[0] for w in schedule.windows]
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = {k: store.read_manifest(k) for k in labels}
+        settled = all(m is not None and m.status in ("complete", "partial") for m in found.values())
+        if settled or time.monotonic() > deadline:
+            return found
+        time.sleep(0.25)
+
+
+def profile_table(manifests: dict[int, StepManifest | None]) -> Table:
+    table = Table(title="Profiled steps")
+    for col in ("step", "status", "trainer files", "rollout files", "rollout fwd steps", "sync stop/update/start ms", "MB"):
+        table.add_column(col, justify="right" if col != "status" else "left")
+    for label, m in manifests.items():
+        if m is None:
+            table.add_row(str(label), "missing", "-", "-", "-", "-", "-")
+            continue
+        trainer = [e for e in m.entries if e.role == "trainer"]
+        rollout = [e for e in m.entries if e.role == "rollout"]
+        s = m.sync
+        cost = "-" if s is None else "/".join("-" if x is None else f"{x * 1000:.0f}" for x in (s.stop_s, s.update_s, s.start_s))
+        table.add_row(
+            ",".join(map(str, m.steps)),
+            m.status,
+            str(sum(len(e.files) for e in trainer)),
+            str(sum(len(e.files) for e in rollout)),
+            str(sum(e.forward_steps for e in rollout)),
+            cost,
+            f"{sum(e.bytes for e in m.entries) / 2**20:.1f}",
+        )
+    return table
