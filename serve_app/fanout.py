@@ -10,6 +10,7 @@ import asyncio
 import time
 from typing import Any
 
+from ray.serve.exceptions import DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 
 from serve_app.api import ReplicaReport
@@ -23,22 +24,35 @@ async def broadcast(
     *args: Any,
     timeout_s: float,
     expected: set[str] | None = None,
+    probe: str = "status",
     **kwargs: Any,
 ) -> list[ReplicaReport]:
     """Call `method` on every live replica concurrently; one report per replica.
 
     `expected` names replicas that should answer; each one that does not gets its own
     `ok: false` report (it died or timed out), so failures are never anonymous when known.
+    `probe` names a cheap replica method used to wait for the first replica.
     """
     deadline = time.monotonic() + timeout_s
-    response = handle.broadcast(method, *args, **kwargs)
-    try:
-        # Per-replica results: results_async() would fail the whole call on one slow replica.
-        replica_results = await asyncio.wait_for(response._fetch_replica_results_async(), timeout_s)
-    except (asyncio.TimeoutError, TimeoutError):
-        replica_results = []
-    except Exception as e:  # noqa: BLE001 - e.g. DeploymentUnavailableError: no replica at all
-        return _missing(expected, f"no replica reachable: {e}")
+    while True:
+        response = handle.broadcast(method, *args, **kwargs)
+        try:
+            # Per-replica results: results_async() would fail the whole call on one slow replica.
+            replica_results = await asyncio.wait_for(
+                response._fetch_replica_results_async(), max(0.0, deadline - time.monotonic())
+            )
+            break
+        except (asyncio.TimeoutError, TimeoutError):
+            replica_results = []
+            break
+        except DeploymentUnavailableError as e:
+            # broadcast() only sees replicas the handle's router already knows, and a fresh
+            # router knows none (nor does one whose replicas are all still starting); a routed
+            # call waits until one is running. Wait that way, within the timeout.
+            try:
+                await asyncio.wait_for(getattr(handle, probe).remote(), max(0.0, deadline - time.monotonic()))
+            except Exception:  # noqa: BLE001 - still none: report it per replica below
+                return _missing(expected, f"no replica reachable: {e}")
     tasks = [asyncio.ensure_future(rr.get_async()) for rr in replica_results]
     if tasks:
         await asyncio.wait(tasks, timeout=max(0.0, deadline - time.monotonic()))

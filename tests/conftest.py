@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,12 +11,6 @@ import pytest
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # single machine: bind 127.0.0.1
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -33,19 +26,11 @@ class ServeApp:
 
 @pytest.fixture(scope="session")
 def ray_cluster() -> Iterator[int]:
-    """A fresh local Ray (address='local' never dials a leftover cluster) with Serve on a free
-    loopback port; shut down at the end so no process outlives the tests."""
-    import ray
-    from ray import serve
+    """A fresh local Ray + Serve on a free loopback port (yielded), shut down at the end."""
+    from serve_app.local import local_cluster
 
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    try:
+    with local_cluster() as port:
         yield port
-    finally:
-        serve.shutdown()
-        ray.shutdown()
 
 
 @pytest.fixture(scope="session")
@@ -58,9 +43,7 @@ def model_dir(tmp_path_factory) -> Path:
 
 def deploy(ray_cluster: int, model_dir: Path, tmp: Path, name: str, **overrides) -> ServeApp:
     """Deploy the app under `/<name>` (or `/` for 'rollout') with test-sized args."""
-    from ray import serve
-
-    from serve_app.app import build_app
+    from serve_app.local import run_app
 
     args = {
         "num_replicas": 2,
@@ -74,9 +57,7 @@ def deploy(ray_cluster: int, model_dir: Path, tmp: Path, name: str, **overrides)
     }
     args.update(overrides)
     (tmp / "weights").mkdir(parents=True, exist_ok=True)
-    prefix = "/" if name == "rollout" else f"/{name}"
-    serve.run(build_app(args), name=name, route_prefix=prefix)
-    base = f"http://127.0.0.1:{ray_cluster}" + ("" if prefix == "/" else prefix)
+    base = run_app(ray_cluster, name, args, "/" if name == "rollout" else f"/{name}")
     return ServeApp(name, base, Path(args["save_path"]), Path(args["weights_dir"]), args)
 
 
