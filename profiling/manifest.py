@@ -94,6 +94,8 @@ class StepManifest(BaseModel):
     options: ProfileOptions | None = None
     started_at: float | None = None
     stopped_at: float | None = None
+    auto_stopped: str | None = None
+    """Set when the controller stopped the step itself (e.g. `max_duration_s`)."""
     sync: SyncCost | None = None
     entries: list[ManifestEntry] = Field(default_factory=list)
 
@@ -128,6 +130,7 @@ class StepManifest(BaseModel):
             options=session.options if session else None,
             started_at=session.started_at if session else None,
             stopped_at=session.stopped_at if session else None,
+            auto_stopped=session.auto_stopped if session else None,
             sync=sync,
             entries=merged,
         )

@@ -19,7 +19,7 @@ from typing import TypeVar
 
 from pydantic import BaseModel
 
-from profiling.config import check_safe_name
+from profiling.config import MAX_STEP, check_safe_name
 from profiling.manifest import ManifestEntry, SessionRecord, StepManifest
 
 ENTRY_FILE = "entry.json"
@@ -56,8 +56,8 @@ class TraceStore:
 
     # -- layout -------------------------------------------------------------------------
     def step_dir(self, step: int) -> Path:
-        if step < 1:
-            raise ValueError(f"step must be >= 1, got {step}")
+        if not 1 <= step <= MAX_STEP:
+            raise ValueError(f"step must be in [1, {MAX_STEP}], got {step}")
         return self.root / f"step_{step}"
 
     def rollout_dir(self, step: int, replica_id: str) -> Path:

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
-from profiling.config import Activity, SafeName, StrictModel, Tool
+from profiling.config import MAX_STEP, Activity, SafeName, StepNumber, StrictModel, Tool
 from profiling.manifest import ManifestStatus
 
 class StartProfileRequest(StrictModel):
-    step: int = Field(ge=1, description="Step k: generation served with weights version k-1.")
-    steps: list[int] | None = Field(
+    step: StepNumber = Field(description="Step k: generation served with weights version k-1.")
+    steps: list[StepNumber] | None = Field(
         None, description="All steps of a continuous window labelled `step` (default: [step])."
     )
     tool: Tool | None = None
@@ -29,7 +29,7 @@ class StartProfileRequest(StrictModel):
 
 
 class StopProfileRequest(StrictModel):
-    step: int = Field(ge=1)
+    step: StepNumber
     pause: bool = Field(
         False,
         description="Hold admission of new engine steps until the next /weights/update or "
@@ -38,7 +38,7 @@ class StopProfileRequest(StrictModel):
 
 
 class UpdateWeightsRequest(StrictModel):
-    version: int = Field(ge=0, description="Parameter version; must not decrease.")
+    version: int = Field(ge=0, le=MAX_STEP, description="Parameter version; must not decrease.")
     path: str = Field(min_length=1, description="safetensors file or directory of them.")
     resume: bool = Field(
         True,
@@ -115,6 +115,8 @@ class ErrorResponse(BaseModel):
     replicas: list[ReplicaReport] = Field(default_factory=list)
 
 
+MIN_TEMPERATURE = 0.01
+
 # -- OpenAI completions subset ------------------------------------------------------------
 
 
@@ -122,11 +124,20 @@ class CompletionRequest(StrictModel):
     model: str | None = None
     prompt: str | list[int] | list[str] = Field(min_length=1)
     max_tokens: int = Field(16, ge=1, le=1024)
-    temperature: float = Field(1.0, ge=0.0, le=10.0)
+    temperature: float = Field(
+        1.0, ge=0.0, le=10.0, description="0: greedy; otherwise at least 0.01 (smaller overflows)."
+    )
     logprobs: int | None = Field(None, ge=0, le=1, description="0 or 1: sampled token's logprob.")
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
     n: Literal[1] = 1
     stream: Literal[False] = False
+
+    @field_validator("temperature")
+    @classmethod
+    def _sampleable(cls, t: float) -> float:
+        if 0 < t < MIN_TEMPERATURE:
+            raise ValueError(f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE}")
+        return t
 
 
 class CompletionLogprobs(BaseModel):

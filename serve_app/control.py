@@ -10,6 +10,7 @@ import time
 
 from ray.serve.handle import DeploymentHandle
 
+from profiling.config import MAX_STEP
 from profiling.manifest import SessionRecord, StepManifest
 from profiling.session import SessionSpec
 from profiling.store import StorageError, TraceStore
@@ -90,8 +91,6 @@ class ControlPlane:
                     **req.model_dump(exclude={"step", "steps", "tag"}, exclude_none=True)
                 )
                 spec = SessionSpec(step=req.step, steps=steps, options=options, tag=req.tag)
-                desired.active, desired.paused = spec, False
-                await self._desired.set(desired)
                 self.store.write_session(
                     spec.step,
                     SessionRecord(
@@ -99,6 +98,8 @@ class ControlPlane:
                         options=options, started_at=time.time(),
                     ),
                 )
+                desired.active, desired.paused = spec, False
+                await self._desired.set(desired)
             reports = await self._broadcast("start_profile", spec)
             conflicts = [r for r in reports if r.conflict]
             if conflicts and not already:
@@ -245,7 +246,7 @@ class ControlPlane:
         return StepsResponse(save_path=str(self.store.root), steps=summaries)
 
     def step(self, k: int) -> StepManifest:
-        if k < 1 or (m := self.store.read_manifest(k)) is None:
+        if not 1 <= k <= MAX_STEP or (m := self.store.read_manifest(k)) is None:
             raise ControlError(404, f"no manifest for step {k} under {self.store.root}")
         return m
 

@@ -17,13 +17,18 @@ class WeightsError(ValueError):
 def resolve_weights_path(path: str, allowed_dir: str | os.PathLike) -> Path:
     """The real path of `path`, which must lie inside `allowed_dir` and hold safetensors files."""
     root = Path(allowed_dir).expanduser().resolve()
-    candidate = Path(path).expanduser()
-    real = (candidate if candidate.is_absolute() else root / candidate).resolve()
-    if not real.is_relative_to(root):
-        raise WeightsError(f"path {path!r} is outside the allowed weights directory {root}")
-    if not real.exists():
-        raise WeightsError(f"path {path!r} does not exist (looked at {real})")
-    files = safetensors_files(real)
+    try:
+        candidate = Path(path).expanduser()
+        real = (candidate if candidate.is_absolute() else root / candidate).resolve()
+        if not real.is_relative_to(root):
+            raise WeightsError(f"path {path!r} is outside the allowed weights directory {root}")
+        if not real.exists():
+            raise WeightsError(f"path {path!r} does not exist (looked at {real})")
+        files = safetensors_files(real)
+    except (ValueError, OSError) as e:  # NUL bytes, names too long, unreadable directories
+        if isinstance(e, WeightsError):
+            raise
+        raise WeightsError(f"path {path!r} cannot be used: {e}") from e
     if not files:
         raise WeightsError(f"path {path!r} holds no .safetensors file")
     for f in files:

@@ -156,6 +156,14 @@ class TransformersEngine(RolloutEngine):
             position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
         )
 
+    @staticmethod
+    def _pick(logits: torch.Tensor, seq: _Sequence) -> int:
+        t = seq.request.temperature
+        if t == 0:
+            return int(logits.argmax())
+        probs = torch.softmax(logits / t, dim=-1)
+        return int(torch.multinomial(probs, 1, generator=seq.generator))
+
     def _sample(self, batch: _Batch, logits: torch.Tensor) -> None:
         logprobs = torch.log_softmax(logits, dim=-1)
         next_ids = []
@@ -163,12 +171,13 @@ class TransformersEngine(RolloutEngine):
             if s.finish_reason is not None:
                 next_ids.append(self._pad)
                 continue
-            t = s.request.temperature
-            if t == 0:
-                tok = int(logits[i].argmax())
-            else:
-                probs = torch.softmax(logits[i] / t, dim=-1)
-                tok = int(torch.multinomial(probs, 1, generator=s.generator))
+            try:
+                tok = self._pick(logits[i], s)
+            except RuntimeError as e:  # this request's sampling broke: fail it, not the batch
+                s.finish_reason = "error"
+                s.future.set_exception(ValueError(f"sampling failed: {e}"))
+                next_ids.append(self._pad)
+                continue
             s.token_ids.append(tok)
             s.logprobs.append(float(logprobs[i, tok]))
             if self.weight_version not in s.weight_versions:

@@ -108,27 +108,53 @@ def read_trace(path: Path) -> dict:
         return json.load(f)
 
 
-def forward_markers(trace: dict) -> list[tuple[int, int, int]]:
-    """(index, step, weight_version) of every forward_step range in a Chrome trace."""
-    found = []
-    for ev in trace.get("traceEvents", []):
-        m = MARKER.match(str(ev.get("name", "")))
-        if m and ev.get("ph") == "X":
-            found.append(tuple(int(g) for g in m.groups()))
-    return found
-
-
-def check_entry_traces(step_dir: Path, entry: dict, step: int) -> list[tuple[int, int, int]]:
-    """Every file of a rollout entry exists, is a gzip Chrome trace, and its forward_step markers
-    match the entry (count == forward_steps, all labelled with this step and its weight_version)."""
+def trace_events(step_dir: Path, entry: dict) -> list[dict]:
+    """All Chrome-trace events of a rollout entry's files (each listed file must exist)."""
     assert entry["files"], entry
-    markers: list[tuple[int, int, int]] = []
+    events: list[dict] = []
     for rel in entry["files"]:
         path = step_dir / rel
         assert path.is_file(), f"{path} listed in the manifest but missing"
-        markers += forward_markers(read_trace(path))
+        events += read_trace(path).get("traceEvents", [])
+    return events
+
+
+def forward_markers(events: list[dict]) -> list[tuple[int, int, int]]:
+    """(index, step, weight_version) of every forward_step range, in index order."""
+    found = []
+    for ev in events:
+        m = MARKER.match(str(ev.get("name", "")))
+        if m and ev.get("ph") == "X":
+            found.append(tuple(int(g) for g in m.groups()))
+    return sorted(found)
+
+
+def check_entry_traces(
+    step_dir: Path, entry: dict, step: int, versions: set[int] | None = None
+) -> list[tuple[int, int, int]]:
+    """Every file of a rollout entry exists, is a gzip Chrome trace, and its forward_step markers
+    match the entry: one per counted forward step (indices 0..n-1), each labelled with this step
+    and a weight version in `versions` (default: only the entry's weight_version)."""
+    markers = forward_markers(trace_events(step_dir, entry))
     assert len(markers) == entry["forward_steps"], (len(markers), entry)
-    assert sorted(i for i, _, _ in markers) == list(range(entry["forward_steps"]))
+    assert [i for i, _, _ in markers] == list(range(entry["forward_steps"]))
     assert {s for _, s, _ in markers} <= {step}
-    assert {v for _, _, v in markers} <= {entry["weight_version"]}, (markers[:3], entry)
+    allowed = versions if versions is not None else {entry["weight_version"]}
+    assert {v for _, _, v in markers} <= allowed, (markers[:3], entry)
     return markers
+
+
+def write_perturbed_weights(model_dir: Path, out: Path, seed: int) -> Path:
+    """The tiny model's full state dict with every tensor perturbed, as one safetensors file."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(model_dir)
+    gen = torch.Generator().manual_seed(seed)
+    state = {}
+    for name, t in model.state_dict().items():
+        noise = torch.randn(t.shape, generator=gen, dtype=torch.float32).to(t.dtype)
+        state[name] = (t + 0.05 * noise).contiguous()
+    save_file(state, str(out))
+    return out

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 from integ_util import client, complete, ok
 
@@ -80,6 +82,20 @@ def test_greedy_is_deterministic(http):
     runs = [complete(http, **req)["choices"][0] for _ in range(4)]
     assert len({tuple(r["token_ids"]) for r in runs}) == 1, [r["token_ids"] for r in runs]
     assert len({r["text"] for r in runs}) == 1
+
+
+def test_batched_greedy_matches_single(http):
+    """Left-padded batches (prompts of different lengths decoded together) give each prompt the
+    tokens it gets alone."""
+    prompts = ["Red", "The quick brown fox jumps over the lazy dog", "One two three four", "A weight update"]
+    req = {"max_tokens": 6, "temperature": 0, "logprobs": 1}
+    alone = {p: complete(http, p, **req)["choices"][0] for p in prompts}
+    with ThreadPoolExecutor(len(prompts) * 2) as pool:
+        together = list(pool.map(lambda p: complete(http, p, **req)["choices"][0], prompts * 2))
+    batched = complete(http, prompts, **req)["choices"]
+    for p, ch in zip(prompts * 2 + prompts, together + batched):
+        assert ch["token_ids"] == alone[p]["token_ids"], p
+        assert ch["logprobs"]["token_logprobs"] == pytest.approx(alone[p]["logprobs"]["token_logprobs"], abs=1e-3)
 
 
 def test_seeded_sampling_is_reproducible(http):

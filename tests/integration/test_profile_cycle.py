@@ -5,19 +5,25 @@ weight update with exact version attribution in the traces."""
 from __future__ import annotations
 
 import json
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 from integ_util import (
     check_entry_traces,
+    MARKER,
     client,
     complete,
     complete_concurrently,
     generate_until_all_recorded,
     ok,
+    poll,
     status,
     stop_if_active,
+    trace_events,
     wait_manifest,
+    write_perturbed_weights,
 )
 
 pytestmark = pytest.mark.integration
@@ -29,22 +35,6 @@ REPLICAS = 2
 def http(app):
     with client(app.base_url) as c:
         yield c
-
-
-def write_perturbed_weights(model_dir: Path, out: Path, seed: int) -> Path:
-    """The tiny model's full state dict with every tensor perturbed, as one safetensors file."""
-    import torch
-    from safetensors.torch import save_file
-    from transformers import LlamaForCausalLM
-
-    model = LlamaForCausalLM.from_pretrained(model_dir)
-    gen = torch.Generator().manual_seed(seed)
-    state = {}
-    for name, t in model.state_dict().items():
-        noise = torch.randn(t.shape, generator=gen, dtype=torch.float32).to(t.dtype)
-        state[name] = (t + 0.05 * noise).contiguous()
-    save_file(state, str(out))
-    return out
 
 
 def test_profile_cycle_writes_complete_manifest_and_traces(app, http):
@@ -101,13 +91,26 @@ def test_weight_update_between_profiled_steps_is_attributed_exactly(app, http, m
         probe_before = complete(http, **probe)["choices"][0]
 
         # The trainer's sync for version k: stop(k, pause) -> update(k, no resume) -> start(k+1).
-        stopped = ok(http.post("/profile/stop", json={"step": k, "pause": True}))
-        assert stopped["stopped"] and all(r["ok"] and r["paused"] for r in stopped["replicas"]), stopped
-        updated = ok(http.post("/weights/update", json={"version": version, "path": str(weights), "resume": False}))
-        assert updated["version"] == version and len(updated["replicas"]) == REPLICAS
-        assert all(r["ok"] and r["weight_version"] == version for r in updated["replicas"]), updated
-        started = ok(http.post("/profile/start", json={"step": k + 1}))
-        assert all(r["ok"] and r["weight_version"] == version and not r["paused"] for r in started["replicas"])
+        # A request that arrives in the gap is held: no engine step runs unprofiled, and none
+        # runs with the old weights after step k stopped.
+        with ThreadPoolExecutor(1) as pool:
+            stopped = ok(http.post("/profile/stop", json={"step": k, "pause": True}))
+            assert stopped["stopped"] and all(r["ok"] and r["paused"] for r in stopped["replicas"]), stopped
+            held = pool.submit(complete, http, "Red green blue", max_tokens=3)
+            time.sleep(1.0)
+            assert not held.done(), "a request ran while admission was held after stop(pause)"
+            updated = ok(
+                http.post("/weights/update", json={"version": version, "path": str(weights), "resume": False})
+            )
+            assert updated["version"] == version and len(updated["replicas"]) == REPLICAS
+            assert all(r["ok"] and r["weight_version"] == version for r in updated["replicas"]), updated
+            assert status(http)["paused"] is True
+            time.sleep(0.5)
+            assert not held.done(), "a request ran after update(resume=false), before start(k+1)"
+            started = ok(http.post("/profile/start", json={"step": k + 1}))
+            assert all(r["ok"] and r["weight_version"] == version and not r["paused"] for r in started["replicas"])
+            gap = held.result(timeout=30)
+        assert gap["weight_version"] == version and gap["choices"][0]["weight_versions"] == [version]
 
         after = generate_until_all_recorded(http, REPLICAS)
         for r in after:
@@ -119,9 +122,13 @@ def test_weight_update_between_profiled_steps_is_attributed_exactly(app, http, m
         assert probe_after["logprobs"]["token_logprobs"] != probe_before["logprobs"]["token_logprobs"]
         assert status(http)["weight_version"] == version
 
-        ok(http.post("/profile/stop", json={"step": k + 1}))
+        last = ok(http.post("/profile/stop", json={"step": k + 1}))
     finally:
         stop_if_active(http)
+    # Exact attribution: every forward pass any replica ran with version 1 so far (the held
+    # request's included) was recorded in step k+1.
+    for r in last["replicas"]:
+        assert r["forward_steps_by_version"].get(str(version), 0) == r["forward_steps"] > 0, r
 
     for step, expected_version in ((k, 0), (k + 1, version)):
         manifest = wait_manifest(http, step, ("complete", "partial"))
@@ -132,3 +139,96 @@ def test_weight_update_between_profiled_steps_is_attributed_exactly(app, http, m
             assert e["weight_version"] == expected_version and e["weight_versions"] == [expected_version], e
             markers = check_entry_traces(app.save_path / f"step_{step}", e, step)
             assert markers and {v for _, _, v in markers} == {expected_version}
+
+
+def test_continuous_window_marks_the_weight_update(app, http, model_dir):
+    """A window of steps [51, 52] spans the update to version 2: one trace per replica, labelled
+    step 51, whose forward steps switch from version 1 to 2 at a `weight_update` range."""
+    step, version = 51, 2
+    weights = write_perturbed_weights(model_dir, app.weights_dir / f"v{version}.safetensors", seed=version)
+    try:
+        started = ok(http.post("/profile/start", json={"step": step, "steps": [step, step + 1], "tag": "window-51"}))
+        assert started["steps"] == [step, step + 1]
+        assert status(http)["steps"] == [step, step + 1]
+        generate_until_all_recorded(http, REPLICAS)
+        updated = ok(http.post("/weights/update", json={"version": version, "path": weights.name}))
+        assert all(r["ok"] and r["weight_version"] == version for r in updated["replicas"]), updated
+        for batch in (complete_concurrently(http, n=6, max_tokens=4), complete_concurrently(http, n=6, max_tokens=4)):
+            assert all(r["weight_version"] == version for r in batch)
+        stopped = ok(http.post("/profile/stop", json={"step": step}))
+    finally:
+        stop_if_active(http)
+    v2_passes = {r["replica_id"]: r["forward_steps_by_version"].get(str(version), 0) for r in stopped["replicas"]}
+
+    manifest = wait_manifest(http, step, ("complete", "partial"))
+    assert manifest["status"] == "complete" and manifest["steps"] == [step, step + 1], manifest
+    assert manifest["tag"] == "window-51"
+    assert {"step": step, "steps": [step, step + 1], "status": "complete"} in ok(http.get("/profile/steps"))["steps"]
+    step_dir = app.save_path / f"step_{step}"
+    seen_versions: set[int] = set()
+    for e in manifest["entries"]:
+        assert e["weight_version"] == version - 1 and e["weight_versions"][0] == version - 1, e
+        markers = check_entry_traces(step_dir, e, step, versions={version - 1, version})
+        marker_versions = [v for _, _, v in markers]
+        assert marker_versions == sorted(marker_versions), "a forward step ran with older weights after the update"
+        assert set(marker_versions) == set(e["weight_versions"]), e
+        seen_versions |= set(marker_versions)
+        # Every pass with version 2 so far ran inside this window, so each one is in the trace.
+        assert marker_versions.count(version) == v2_passes[e["replica_id"]], (v2_passes, e)
+        events = trace_events(step_dir, e)
+        updates = [ev for ev in events if ev.get("name") == f"weight_update version={version}" and ev.get("ph") == "X"]
+        assert len(updates) == 1, f"{e['replica_id']}: {len(updates)} weight_update ranges"
+        forward = {int(MARKER.match(ev["name"]).group(1)): ev for ev in events
+                   if ev.get("ph") == "X" and MARKER.match(str(ev.get("name", "")))}
+        update_ts = updates[0]["ts"]
+        for i, _, v in markers:
+            before = forward[i]["ts"] + forward[i]["dur"] <= update_ts
+            assert before == (v == version - 1), (i, v, forward[i]["ts"], update_ts)
+    assert seen_versions == {version - 1, version}
+
+
+def test_max_forward_steps_caps_the_recording(app, http):
+    step, cap = 61, 3
+    try:
+        ok(http.post("/profile/start", json={"step": step, "max_forward_steps": cap, "tag": "capped"}))
+
+        def capped() -> bool:
+            complete_concurrently(http, n=4, max_tokens=4)
+            return all(r["state"] == "capped" for r in status(http)["replicas"])
+
+        for _ in range(30):
+            if capped():
+                break
+        st = status(http)
+        assert st["active_step"] == step  # a capped step stays active until stopped
+        assert all(r["state"] == "capped" and r["forward_steps"] == cap for r in st["replicas"]), st
+        stopped = ok(http.post("/profile/stop", json={"step": step}))
+    finally:
+        stop_if_active(http)
+    assert all(r["ok"] and r["forward_steps"] == cap for r in stopped["replicas"]), stopped
+    manifest = wait_manifest(http, step, ("complete", "partial"))
+    assert manifest["status"] == "complete" and manifest["tag"] == "capped"
+    assert manifest["options"]["max_forward_steps"] == cap
+    for e in manifest["entries"]:
+        assert e["forward_steps"] == cap and e["auto_stopped"] == "max_forward_steps", e
+        check_entry_traces(app.save_path / f"step_{step}", e, step)
+
+
+def test_max_duration_s_stops_a_forgotten_step(app, http):
+    step, limit = 62, 1.0
+    try:
+        ok(http.post("/profile/start", json={"step": step, "max_duration_s": limit}))
+        complete_concurrently(http, n=4, max_tokens=4)
+        t0 = time.monotonic()
+        poll(lambda: status(http)["state"] == "idle", timeout=30, what="the max_duration_s watchdog to stop the step")
+        assert time.monotonic() - t0 < limit + 10
+    finally:
+        stop_if_active(http)
+    # The trainer's late stop finds nothing active.
+    assert ok(http.post("/profile/stop", json={"step": step}))["stopped"] is False
+    manifest = wait_manifest(http, step, ("complete", "partial"))
+    assert manifest["status"] == "complete", manifest
+    for e in manifest["entries"]:
+        assert e["auto_stopped"] == "max_duration_s", e
+        assert e["stopped_at"] - e["started_at"] < limit + 1.0, e
+        check_entry_traces(app.save_path / f"step_{step}", e, step)

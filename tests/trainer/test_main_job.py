@@ -1,0 +1,133 @@
+"""The main job exactly as a user runs it: `python -m trainer --config config/trainer.yaml ...`
+in a subprocess that starts its own private Ray + rollout app, then the traces it leaves."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+from .helpers import REPO_ROOT, by_role, entry_markers, read_manifest
+
+CLI_TIMEOUT_S = 600
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(CLI_TIMEOUT_S + 180)]
+
+# The CLI tears the app down before it waits for the manifests, so a rollout export still running
+# when training ends is cut off (see test_last_step_export_survives_the_end_of_the_job).
+EXPORT_CUT_OFF = (
+    "trainer/__main__.py:35,43-45: main() waits for the manifests (wait_for_manifests) only after "
+    "_run() has left the local_rollout_app context, i.e. after serve.shutdown()/ray.shutdown() "
+    "(trainer/local_app.py:53-55) killed the replicas; a rollout trace export still running then "
+    "is cut off, its manifest stays 'exporting' with missing trace files, and the CLI exits 0"
+)
+
+
+@dataclass
+class CliRun:
+    returncode: int
+    stdout: str
+    stderr: str
+    profile: Path
+
+    @property
+    def log(self) -> str:
+        return f"--- stdout tail ---\n{self.stdout[-6000:]}\n--- stderr tail ---\n{self.stderr[-3000:]}"
+
+
+def run_cli(tmp: Path, *overrides: str) -> CliRun:
+    profile, weights = tmp / "profile", tmp / "weights"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    cmd = [
+        sys.executable, "-m", "trainer",
+        "--config", "config/trainer.yaml",
+        *overrides,
+        f"global_profiler.save_path={profile}",
+        f"trainer.weights_dir={weights}",
+    ]
+    try:
+        proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=CLI_TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+        out, err = (x.decode(errors="replace") if isinstance(x, bytes) else (x or "") for x in (e.stdout, e.stderr))
+        pytest.fail(f"CLI ran past {CLI_TIMEOUT_S}s\n--- stdout tail ---\n{out[-6000:]}\n--- stderr tail ---\n{err[-3000:]}")
+    return CliRun(proc.returncode, proc.stdout, proc.stderr, profile)
+
+
+def check_step(run: CliRun, k: int) -> None:
+    """Step k's manifest is complete, its files exist, and its rollout traces are step k on weights k-1."""
+    step_dir = run.profile / f"step_{k}"
+    m = read_manifest(run.profile, k)
+    assert m is not None, f"step_{k}/manifest.json missing\n{run.log}"
+    assert m["status"] == "complete", f"step {k}: {m}\n{run.log}"
+    assert m["step"] == k and m["steps"] == [k], m
+    rollout, trainer = by_role(m, "rollout"), by_role(m, "trainer")
+    assert rollout and trainer, f"step {k}: entries {m['entries']}"
+    for e in m["entries"]:
+        assert e["status"] == "ok" and e["files"], e
+        for rel in e["files"]:
+            assert (step_dir / rel).is_file(), f"{step_dir / rel} listed in the manifest but missing"
+    for e in trainer:
+        sync = e["sync"]
+        assert sync is not None and sync["stop_s"] is not None and sync["update_s"] is not None, e
+    for e in rollout:
+        assert e["weight_version"] == k - 1, e
+        markers = entry_markers(step_dir, e)
+        assert markers, f"step {k}, replica {e['replica_id']}: no forward_step marker in its trace"
+        assert {s for _, s, _ in markers} == {k}, sorted({s for _, s, _ in markers})
+        assert {v for *_, v in markers} == {k - 1}, sorted({v for *_, v in markers})
+
+
+@pytest.fixture(scope="module")
+def main_job(tmp_path_factory) -> CliRun:
+    return run_cli(
+        tmp_path_factory.mktemp("main-job"), "global_profiler.steps=[1,2,5]", "trainer.total_versions=6"
+    )
+
+
+def test_main_job_exits_0_with_exactly_the_profiled_step_dirs(main_job):
+    assert main_job.returncode == 0, f"exit code {main_job.returncode}\n{main_job.log}"
+    found = sorted(p.name for p in main_job.profile.glob("step_*"))
+    assert found == ["step_1", "step_2", "step_5"], f"{found}\n{main_job.log}"
+    assert all((main_job.profile / n).is_dir() for n in found)
+    assert "Profiled steps" in main_job.stdout, main_job.log
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_main_job_step_is_complete_and_attributed(main_job, k):
+    assert main_job.returncode == 0, main_job.log
+    check_step(main_job, k)
+
+
+# Step 5 is stopped at the sync publishing version 5; only version 6's training separates that from
+# the app's teardown, so whether its rollout exports finish first is a race (lost on a busy machine).
+@pytest.mark.xfail(strict=False, raises=AssertionError, reason="races with: " + EXPORT_CUT_OFF)
+def test_main_job_step_5_is_complete_and_attributed(main_job):
+    assert main_job.returncode == 0, main_job.log
+    check_step(main_job, 5)
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=EXPORT_CUT_OFF)
+def test_last_step_export_survives_the_end_of_the_job(tmp_path):
+    """The last version's step is profiled with a trace that takes a while to export (stacks and
+    shapes on, uncapped): the job must still leave a complete step with every trace on disk."""
+    serve_cfg = yaml.safe_load((REPO_ROOT / "config" / "serve.yaml").read_text())
+    serve_cfg["applications"][0]["args"]["profiler"].update(
+        with_stack=True, record_shapes=True, max_forward_steps=None
+    )
+    (tmp_path / "serve.yaml").write_text(yaml.safe_dump(serve_cfg))
+    run = run_cli(
+        tmp_path,
+        "global_profiler.steps=[4]",
+        "trainer.total_versions=4",
+        f"rollout.serve_config={tmp_path / 'serve.yaml'}",
+    )
+    assert run.returncode == 0, run.log
+    assert sorted(p.name for p in run.profile.glob("step_*")) == ["step_4"]
+    leftovers = [str(p) for p in run.profile.rglob("*.tmp*")]
+    check_step(run, 4)
+    assert not leftovers, f"half-written exports left behind: {leftovers}"
