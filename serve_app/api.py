@@ -42,8 +42,8 @@ class UpdateWeightsRequest(StrictModel):
     path: str = Field(min_length=1, description="safetensors file or directory of them.")
     resume: bool = Field(
         True,
-        description="Re-open admission after loading. False keeps engine steps held for the "
-        "/profile/start that follows, so no step on the new weights runs unprofiled.",
+        description="Open admission after loading. False holds engine steps after the load "
+        "until the /profile/start that follows, so no step on the new weights runs unprofiled.",
     )
 
 

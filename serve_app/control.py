@@ -216,7 +216,7 @@ class ControlPlane:
                 detail = next((r.error for r in reports if r.error), "no replica loaded the weights")
                 raise ControlError(422, f"weights not loaded, version {desired.weight_version} keeps serving: {detail}", reports)
             desired.weight_version, desired.weights_path = req.version, path
-            desired.paused = desired.paused and not req.resume
+            desired.paused = not req.resume
             await self._desired.set(desired)
             return UpdateWeightsResponse(
                 version=req.version,

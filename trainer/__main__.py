@@ -12,6 +12,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from profiling.manifest import StepManifest
 from profiling.schedule import StepSchedule
 from profiling.store import TraceStore
 from trainer.client import RolloutClient, RolloutError
@@ -32,7 +33,7 @@ def main(
     logging.basicConfig(level=logging.WARNING)
     try:
         cfg = load_config(config, ctx.args)
-        result = asyncio.run(_run(cfg))
+        result, manifests = asyncio.run(_run(cfg))
     except (ConfigError, RolloutError, ValueError) as e:
         console.print(f"[red]error:[/red] {e}")
         raise typer.Exit(1) from None
@@ -40,14 +41,16 @@ def main(
         f"reward {result.first_reward:.3f} (first fifth of versions) -> {result.last_reward:.3f} (last fifth); "
         f"{result.dropped_stale} stale samples dropped"
     )
-    if cfg.global_profiler.steps:
-        store = TraceStore(cfg.global_profiler.save_path)
-        manifests = wait_for_manifests(store, StepSchedule.from_config(cfg.global_profiler))
+    if manifests:
         console.print(profile_table(manifests))
-        console.print(f"traces under {store.root}")
+        console.print(f"traces under {TraceStore(cfg.global_profiler.save_path).root}")
+    if any(m is None or m.status != "complete" for m in manifests.values()):
+        console.print("[red]error:[/red] some profiled steps are not complete (see the table)")
+        raise typer.Exit(1)
 
 
-async def _run(cfg: TrainerConfig) -> RunResult:
+async def _run(cfg: TrainerConfig) -> tuple[RunResult, dict[int, StepManifest | None]]:
+    """Train, then wait for every profiled step's traces while the app is still up."""
     with contextlib.ExitStack() as stack:
         url, model_dir, token = cfg.rollout.url, cfg.trainer.model_path, cfg.rollout.control_token
         if url is None:
@@ -84,7 +87,14 @@ async def _run(cfg: TrainerConfig) -> RunResult:
 
         async with RolloutClient(url, control_token=token) as client:
             with progress:
-                return await run_training(cfg, client, model_dir, on_version)
+                result = await run_training(cfg, client, model_dir, on_version)
+        manifests = {}
+        if cfg.global_profiler.steps:
+            store = TraceStore(cfg.global_profiler.save_path)
+            reached = cfg.trainer.total_versions + 1  # step k+1 starts at the sync publishing k
+            labels = [w[0] for w in StepSchedule.from_config(cfg.global_profiler).windows if w[0] <= reached]
+            manifests = await asyncio.to_thread(wait_for_manifests, store, labels, cfg.profile_export_timeout_s)
+        return result, manifests
     raise AssertionError("unreachable")
 
 

@@ -40,6 +40,9 @@ class TrainerConfig(StrictModel):
     profiler: ProfileOptions = Field(default_factory=ProfileOptions, description="Trainer-side window options.")
     trainer: TrainerSection = Field(default_factory=TrainerSection)
     rollout: RolloutSection = Field(default_factory=RolloutSection)
+    profile_export_timeout_s: float = Field(
+        600.0, gt=0, description="At the end, how long to wait for profiled steps' traces."
+    )
 
 
 class ConfigError(ValueError):

@@ -7,13 +7,11 @@ import time
 from rich.table import Table
 
 from profiling.manifest import StepManifest
-from profiling.schedule import StepSchedule
 from profiling.store import TraceStore
 
 
-def wait_for_manifests(store: TraceStore, schedule: StepSchedule, timeout_s: float = 120.0) -> dict[int, StepManifest | None]:
-    """Each profiled window's manifest once no export is pending (or the timeout passed)."""
-    labels = [w[0] for w in schedule.windows]
+def wait_for_manifests(store: TraceStore, labels: list[int], timeout_s: float) -> dict[int, StepManifest | None]:
+    """The manifests of the windows `labels` once no export is pending (or the timeout passed)."""
     deadline = time.monotonic() + timeout_s
     while True:
         found = {k: store.read_manifest(k) for k in labels}

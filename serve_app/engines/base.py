@@ -63,7 +63,8 @@ class RolloutEngine(ABC):
 
     @abstractmethod
     async def update_weights(self, version: int, path: str | None, resume: bool) -> float:
-        """Load `path` as `version` between engine steps; returns seconds spent."""
+        """Load `path` as `version` between engine steps; returns seconds spent. Afterwards
+        admission is open if `resume`, else held until the next start (or the hold timeout)."""
 
     @abstractmethod
     async def wait_exported(self, step: int, timeout_s: float) -> ManifestEntry | None: ...

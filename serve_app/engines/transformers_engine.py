@@ -269,6 +269,8 @@ class TransformersEngine(RolloutEngine):
                 self.weight_version = version
             if resume:
                 self._thread.resume()
+            else:  # hold for the /profile/start that follows: nothing runs unprofiled on `version`
+                self._thread.pause(self._hold_timeout_s)
 
         await self._on_model_thread(apply)
         return time.perf_counter() - t0

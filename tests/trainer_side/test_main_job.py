@@ -19,12 +19,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(CLI_TIMEOUT_S + 180)]
 
 # The CLI tears the app down before it waits for the manifests, so a rollout export still running
 # when training ends is cut off (see test_last_step_export_survives_the_end_of_the_job).
-EXPORT_CUT_OFF = (
-    "trainer/__main__.py:35,43-45: main() waits for the manifests (wait_for_manifests) only after "
-    "_run() has left the local_rollout_app context, i.e. after serve.shutdown()/ray.shutdown() "
-    "(trainer/local_app.py:53-55) killed the replicas; a rollout trace export still running then "
-    "is cut off, its manifest stays 'exporting' with missing trace files, and the CLI exits 0"
-)
+RAY_STARTUP_TIMEOUT = "timed out during startup"
 
 
 @dataclass
@@ -39,7 +34,7 @@ class CliRun:
         return f"--- stdout tail ---\n{self.stdout[-6000:]}\n--- stderr tail ---\n{self.stderr[-3000:]}"
 
 
-def run_cli(tmp: Path, *overrides: str) -> CliRun:
+def run_cli(tmp: Path, *overrides: str, retried: bool = False) -> CliRun:
     profile, weights = tmp / "profile", tmp / "weights"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
@@ -55,7 +50,12 @@ def run_cli(tmp: Path, *overrides: str) -> CliRun:
     except subprocess.TimeoutExpired as e:
         out, err = (x.decode(errors="replace") if isinstance(x, bytes) else (x or "") for x in (e.stdout, e.stderr))
         pytest.fail(f"CLI ran past {CLI_TIMEOUT_S}s\n--- stdout tail ---\n{out[-6000:]}\n--- stderr tail ---\n{err[-3000:]}")
-    return CliRun(proc.returncode, proc.stdout, proc.stderr, profile)
+    run = CliRun(proc.returncode, proc.stdout, proc.stderr, profile)
+    if run.returncode != 0 and RAY_STARTUP_TIMEOUT in proc.stderr and not retried:
+        # Ray's raylet has a fixed 30 s startup deadline that an overloaded 2-core box can miss:
+        # an environment failure before the job did anything, so run the job once more.
+        return run_cli(tmp / "retry", *overrides, retried=True)
+    return run
 
 
 def check_step(run: CliRun, k: int) -> None:
@@ -103,18 +103,17 @@ def test_main_job_step_is_complete_and_attributed(main_job, k):
     check_step(main_job, k)
 
 
-# Step 5 is stopped at the sync publishing version 5; only version 6's training separates that from
-# the app's teardown, so whether its rollout exports finish first is a race (lost on a busy machine).
-@pytest.mark.xfail(strict=False, raises=AssertionError, reason="races with: " + EXPORT_CUT_OFF)
+# Step 5 is stopped at the sync publishing version 5, shortly before the job ends: its exports must
+# still be complete (the job waits for them before it shuts the app down).
 def test_main_job_step_5_is_complete_and_attributed(main_job):
     assert main_job.returncode == 0, main_job.log
     check_step(main_job, 5)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=EXPORT_CUT_OFF)
 def test_last_step_export_survives_the_end_of_the_job(tmp_path):
     """The last version's step is profiled with a trace that takes a while to export (stacks and
-    shapes on, uncapped): the job must still leave a complete step with every trace on disk."""
+    shapes on, uncapped, 64-token completions: tens of seconds): the job must still leave a
+    complete step with every trace on disk."""
     serve_cfg = yaml.safe_load((REPO_ROOT / "config" / "serve.yaml").read_text())
     serve_cfg["applications"][0]["args"]["profiler"].update(
         with_stack=True, record_shapes=True, max_forward_steps=None
@@ -122,12 +121,13 @@ def test_last_step_export_survives_the_end_of_the_job(tmp_path):
     (tmp_path / "serve.yaml").write_text(yaml.safe_dump(serve_cfg))
     run = run_cli(
         tmp_path,
-        "global_profiler.steps=[4]",
-        "trainer.total_versions=4",
+        "global_profiler.steps=[2]",
+        "trainer.total_versions=2",
+        "rollout.max_tokens=64",
         f"rollout.serve_config={tmp_path / 'serve.yaml'}",
     )
     assert run.returncode == 0, run.log
-    assert sorted(p.name for p in run.profile.glob("step_*")) == ["step_4"]
+    assert sorted(p.name for p in run.profile.glob("step_*")) == ["step_2"]
     leftovers = [str(p) for p in run.profile.rglob("*.tmp*")]
-    check_step(run, 4)
+    check_step(run, 2)
     assert not leftovers, f"half-written exports left behind: {leftovers}"

@@ -8,7 +8,7 @@ import pytest
 
 from trainer.policy import Policy
 
-from .helpers import by_role, entry_traces, get_status, run_training, training_config, wait_manifest
+from .helpers import by_role, entry_markers, entry_traces, get_status, run_training, training_config, wait_manifest
 
 pytestmark = pytest.mark.integration
 
@@ -46,4 +46,6 @@ def test_crash_while_step_3_is_profiled_stops_it_and_completes_its_traces(deploy
             assert e["status"] == "ok" and not e["exporting"], e
             entry_traces(step_dir, e)  # files exist and are gzip Chrome traces
         assert {e["weight_version"] for e in rollout} == {k - 1}
+        markers = [mk for e in rollout for mk in entry_markers(step_dir, e)]
+        assert markers and {(s, v) for _, s, v in markers} == {(k, k - 1)}, sorted({(s, v) for _, s, v in markers})
     assert sorted(p.name for p in app.save_path.glob("step_*")) == ["step_2", "step_3"]
