@@ -7,8 +7,24 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-Tool = Literal["torch"]
+Tool = Literal["torch", "npu", "nsys"]
 Activity = Literal["cpu", "cuda"]
+
+# tool: npu (torch_npu.profiler). Names follow verl's NPUToolConfig and torch_npu's enums.
+NpuContent = Literal["npu", "cpu", "memory", "shapes", "module", "stack"]
+NpuLevel = Literal["level_none", "level0", "level1", "level2"]
+NpuAicMetrics = Literal[
+    "PipeUtilization",
+    "ArithmeticUtilization",
+    "Memory",
+    "MemoryL0",
+    "MemoryUB",
+    "ResourceConflictRatio",
+    "L2Cache",
+    "MemoryAccess",
+    "AiCoreNone",
+]
+NpuExportType = Literal["text", "db"]
 
 # Names that become directory names: replica ids, tags. Never "." or "..".
 SAFE_NAME = re.compile(r"(?!\.{1,2}\Z)[A-Za-z0-9._-]{1,64}")
@@ -34,10 +50,56 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class NpuOptions(StrictModel):
+    """`tool: npu` settings (torch_npu.profiler); verl's `tool_config.npu` keys plus two of
+    torch_npu's `_ExperimentalConfig` knobs. Ignored by the other tools."""
+
+    contents: list[NpuContent] = Field(
+        default_factory=list,
+        description="What to collect (verl's keys): npu, cpu (activities; if neither is named both "
+        "are recorded), memory (profile_memory), shapes (record_shapes), module (with_modules), "
+        "stack (with_stack). The top-level record_shapes/with_stack/with_memory also switch "
+        "shapes/stack/memory on.",
+    )
+    level: NpuLevel = Field(
+        "level0", description="torch_npu ProfilerLevel: level_none, level0, level1 or level2."
+    )
+    analysis: bool = Field(
+        True,
+        description="torch_npu parses the raw data when the recording stops (tensorboard_trace_handler "
+        "analyse_flag). The parse runs inside stop, on the model thread; false leaves raw data to be "
+        "parsed offline with torch_npu.profiler.profiler.analyse(<dir>).",
+    )
+    discrete: bool = Field(
+        False,
+        description="Accepted for verl compatibility and has no effect here: verl's discrete mode "
+        "opens one profiler per annotated trainer stage, while a rollout replica records each "
+        "profiling window (one step, or a merged continuous window) as one recording either way.",
+    )
+    aic_metrics: NpuAicMetrics | None = Field(
+        None,
+        description="torch_npu AiCMetrics name (AI Core metrics, collected at level1/level2); "
+        "null: torch_npu's default.",
+    )
+    export_type: NpuExportType = Field("text", description="torch_npu ExportType: text or db.")
+    data_simplification: bool = Field(
+        True, description="torch_npu _ExperimentalConfig data_simplification (drops intermediate data)."
+    )
+
+    @field_validator("contents")
+    @classmethod
+    def _unique(cls, contents: list[str]) -> list[str]:
+        return list(dict.fromkeys(contents))
+
+
 class ProfileOptions(StrictModel):
     """What one profiling session records and how it is bounded."""
 
-    tool: Tool = "torch"
+    tool: Tool = Field(
+        "torch",
+        description="torch (torch.profiler), npu (torch_npu.profiler, Ascend) or nsys (a CUDA "
+        "profiler capture range for `nsys profile --capture-range=cudaProfilerApi`).",
+    )
     activities: list[Activity] = Field(default_factory=lambda: ["cpu"], min_length=1)
     record_shapes: bool = False
     with_stack: bool = False
@@ -48,6 +110,7 @@ class ProfileOptions(StrictModel):
     max_duration_s: float | None = Field(
         300.0, gt=0, description="Stop recording after this many seconds (null: unbounded)."
     )
+    npu: NpuOptions = Field(default_factory=NpuOptions, description="Settings of tool: npu.")
 
     def merged(self, **overrides: object) -> ProfileOptions:
         """These options with the given non-None fields replaced (validated)."""

@@ -52,8 +52,6 @@ class ManifestEntry(BaseModel):
     late_start: bool = False
     """The process joined after the step had started (replica started or restarted)."""
     auto_stopped: Literal["max_forward_steps", "max_duration_s"] | None = None
-    stop_ack_s: float | None = None
-    """Seconds from the stop request reaching the model thread to the window being closed."""
     finalize_s: float | None = None
     """Seconds the profiler's own stop (finalize) took, off the acknowledged path."""
     export_s: float | None = None

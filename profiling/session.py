@@ -52,7 +52,6 @@ class StopOutcome(BaseModel):
     files: list[str] = Field(default_factory=list)
     forward_steps: int = 0
     weight_version: int | None = None
-    stop_ack_s: float | None = None
     auto_stopped: str | None = None
 
 
@@ -155,7 +154,6 @@ class ProfileSession:
         """Close the window, call `on_closed` (the acknowledgement), then finalize the profiler
         and hand the export to the background. `on_closed` runs before the finalize, so the
         caller is answered as soon as no further forward pass can be recorded."""
-        t0 = time.perf_counter()
         if self._spec is None:
             outcome = StopOutcome(step=None, stopped=False)
             if on_closed:
@@ -167,14 +165,12 @@ class ProfileSession:
         was_recording = self._state == "profiling"
         if was_recording:
             self._entry.stopped_at = time.time()
-        self._entry.stop_ack_s = time.perf_counter() - t0
         outcome = StopOutcome(
             step=step,
             stopped=True,
             files=self._entry.files,
             forward_steps=self._entry.forward_steps,
             weight_version=self._entry.weight_version,
-            stop_ack_s=self._entry.stop_ack_s,
             auto_stopped=self._entry.auto_stopped,
         )
         spec, backend, entry = self._spec, self._backend, self._entry
