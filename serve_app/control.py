@@ -34,6 +34,9 @@ from serve_app.weights import WeightsError, resolve_weights_path
 
 log = logging.getLogger(__name__)
 
+START_FAILED = "start failed"
+"""Prefix of a replica's error when its profiler refused the options (a caller's choice)."""
+
 
 class ControlError(Exception):
     """A control call that cannot be carried out; `status` is its HTTP status."""
@@ -109,6 +112,18 @@ class ControlPlane:
                 await self._desired.set(desired)
                 raise ControlError(409, conflicts[0].error or "replica conflict", reports)
             record = self.store.read_session(spec.step)
+            if not already and not any(r.ok for r in reports):
+                # Nothing records this step: do not leave the fleet claiming it is active.
+                desired.active = None
+                await self._desired.set(desired)
+                if record is not None:
+                    record.stopped_at = time.time()
+                    record.failures = {r.replica_id: r.error or "start failed" for r in reports}
+                    self.store.write_session(spec.step, record)
+                    self.store.refresh_manifest(spec.step)
+                refused = any((r.error or "").startswith(START_FAILED) for r in reports)
+                detail = "; ".join(f"{r.replica_id}: {r.error}" for r in reports)
+                raise ControlError(422 if refused else 503, f"no replica started step {spec.step}: {detail}", reports)
             if record is not None:
                 record.replicas = sorted({*record.replicas, *(r.replica_id for r in reports if r.ok)})
                 self.store.write_session(spec.step, record)

@@ -19,6 +19,7 @@ from profiling.session import ProfileSession, SessionConflict, SessionSpec
 from profiling.store import TraceStore
 from serve_app.api import CompletionChoice, CompletionLogprobs, CompletionRequest, ReplicaReport
 from serve_app.config import AppArgs
+from serve_app.control import START_FAILED
 from serve_app.desired_state import DesiredStateStore
 from serve_app.engines import create_engine
 from serve_app.engines.base import GenerateRequest
@@ -108,7 +109,7 @@ class RolloutReplica:
         except SessionConflict as e:
             return self._report(ok=False, conflict=True, error=str(e))
         except Exception as e:  # noqa: BLE001 - reported per replica
-            return self._report(ok=False, error=f"start failed: {e}")
+            return self._report(ok=False, error=f"{START_FAILED}: {e}")
         return self._report(state="profiling" if started else self.engine.status().state)
 
     async def stop_profile(self, step: int | None, pause: bool) -> ReplicaReport:

@@ -18,7 +18,12 @@ from serve_app.control import ControlPlane
 from serve_app.ingress.auth import require_control_token
 
 _guard = {"dependencies": [Depends(require_control_token)], "tags": ["profile"]}
-_errors = {409: {"model": ErrorResponse}, 422: {"model": ErrorResponse}, 507: {"model": ErrorResponse}}
+_errors = {
+    409: {"model": ErrorResponse},
+    422: {"model": ErrorResponse},
+    503: {"model": ErrorResponse},
+    507: {"model": ErrorResponse},
+}
 
 
 class ProfileRoutesMixin:
