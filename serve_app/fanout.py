@@ -42,7 +42,7 @@ async def broadcast(
                 response._fetch_replica_results_async(), max(0.0, deadline - time.monotonic())
             )
             break
-        except (asyncio.TimeoutError, TimeoutError):
+        except TimeoutError:
             replica_results = []
             break
         except DeploymentUnavailableError as e:

@@ -11,6 +11,7 @@ import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+
 import ray
 from ray import serve
 

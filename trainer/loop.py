@@ -118,7 +118,7 @@ async def run_training(
                 stats = await _train_version(cfg, policy, sync, queue, producers, executor, version, result)
                 path = weights_dir / f"v{version}.safetensors"
                 report = await sync.sync(
-                    version, lambda: loop.run_in_executor(executor, policy.save, path)
+                    version, lambda p=path: loop.run_in_executor(executor, policy.save, p)
                 )
                 _prune(weights_dir, version, t.keep_versions)
                 stats.sync = report.cost
@@ -183,10 +183,10 @@ async def _next_sample(queue: asyncio.Queue[Sample], producers: list[asyncio.Tas
     while True:
         try:
             return await asyncio.wait_for(queue.get(), timeout=1.0)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             for p in producers:
                 if p.done() and not p.cancelled() and p.exception() is not None:
-                    raise p.exception()
+                    raise p.exception() from None
 
 
 def _prune(weights_dir: Path, version: int, keep: int) -> None:
