@@ -67,17 +67,19 @@ def main(rounds: int = typer.Option(20, help="Cycles per app (after 3 warm-up cy
             stores[n] = TraceStore(save)
         startstop: dict[int, list[float]] = {n: [] for n in sizes}
         stops: dict[int, list[float]] = {n: [] for n in sizes}
+        steps: dict[int, list[int]] = {n: [] for n in sizes}
         clients = {n: httpx.Client(base_url=urls[n], timeout=60) for n in sizes}
         step = 0
         for i in range(3 + rounds):
             for n in sizes if i % 2 == 0 else reversed(sizes):  # alternate order: no drift bias
                 step += 1
+                steps[n].append(step)
                 start_s, stop_s = _cycle(clients[n], step, load=2)
                 if i >= 3:
                     startstop[n].append(start_s + stop_s)
                     stops[n].append(stop_s)
         for n in sizes:
-            _wait_settled(stores[n], list(range(1, step + 1)))
+            _wait_settled(stores[n], steps[n])
     entries = [
         e for n in sizes for k in stores[n].steps() if (m := stores[n].read_manifest(k)) for e in m.entries
     ]

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from ray.serve.handle import DeploymentHandle
 
@@ -27,7 +29,7 @@ from serve_app.api import (
     UpdateWeightsResponse,
 )
 from serve_app.config import AppArgs
-from serve_app.desired_state import DesiredStateStore
+from serve_app.desired_state import DesiredState, DesiredStateStore
 from serve_app.fanout import broadcast
 from serve_app.metrics import CONTROL_ERRORS, CONTROL_SECONDS
 from serve_app.weights import WeightsError, resolve_weights_path
@@ -53,9 +55,38 @@ class ControlPlane:
         self._desired = desired
         self.store = TraceStore(args.save_path)
         self._lock = asyncio.Lock()
+        self._books = asyncio.Lock()  # FIFO: session/manifest writes happen in call order
+        self._state: DesiredState | None = None
         self._known: set[str] = set()
         self._watchdog: asyncio.Task | None = None
-        self._collectors: set[asyncio.Task] = set()
+        self._background: set[asyncio.Task] = set()
+
+    async def _desired_state(self) -> DesiredState:
+        """The desired state; this controller is its only writer, so it is read once."""
+        if self._state is None:
+            self._state = await self._desired.get()
+        return self._state
+
+    async def _publish(self, state: DesiredState) -> None:
+        self._state = state
+        await self._desired.set(state)
+
+    def _bookkeep(self, fn: Callable[[], None]) -> None:
+        """Write session records and manifests after answering, in call order, off the loop."""
+
+        async def run() -> None:
+            async with self._books:
+                try:
+                    await asyncio.to_thread(fn)
+                except OSError as e:
+                    log.error("could not record profiling bookkeeping under %s: %s", self.store.root, e)
+
+        self._spawn(run())
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _broadcast(self, method: str, *args, timeout_s: float | None = None, **kwargs) -> list[ReplicaReport]:
         reports = await broadcast(
@@ -74,7 +105,7 @@ class ControlPlane:
     # -- /profile/start -------------------------------------------------------------------
     async def start(self, req: StartProfileRequest) -> StartProfileResponse:
         async with self._lock, _timed("start"):
-            desired = await self._desired.get()
+            desired = await self._desired_state()
             steps = sorted(set(req.steps or [req.step]))
             if req.step not in steps or steps != list(range(steps[0], steps[-1] + 1)):
                 raise ControlError(422, f"steps {steps} must be consecutive and include step {req.step}")
@@ -94,39 +125,41 @@ class ControlPlane:
                     **req.model_dump(exclude={"step", "steps", "tag"}, exclude_none=True)
                 )
                 spec = SessionSpec(step=req.step, steps=steps, options=options, tag=req.tag)
-                self.store.write_session(
-                    spec.step,
-                    SessionRecord(
-                        step=spec.step, steps=spec.steps, tool=options.tool, tag=spec.tag,
-                        options=options, started_at=time.time(),
-                    ),
+                fresh = SessionRecord(
+                    step=spec.step, steps=spec.steps, tool=options.tool, tag=spec.tag,
+                    options=options, started_at=time.time(),
                 )
                 desired.active, desired.paused = spec, False
-                await self._desired.set(desired)
+                await self._publish(desired)
             reports = await self._broadcast("start_profile", spec)
             conflicts = [r for r in reports if r.conflict]
             if conflicts and not already:
                 # Roll back: the fleet is not where this start needs it.
                 await self._broadcast("stop_profile", spec.step, False)
                 desired.active = None
-                await self._desired.set(desired)
+                await self._publish(desired)
                 raise ControlError(409, conflicts[0].error or "replica conflict", reports)
-            record = self.store.read_session(spec.step)
             if not already and not any(r.ok for r in reports):
                 # Nothing records this step: do not leave the fleet claiming it is active.
                 desired.active = None
-                await self._desired.set(desired)
-                if record is not None:
-                    record.stopped_at = time.time()
-                    record.failures = {r.replica_id: r.error or "start failed" for r in reports}
-                    self.store.write_session(spec.step, record)
+                await self._publish(desired)
+                fresh.stopped_at = time.time()
+                fresh.failures = {r.replica_id: r.error or "start failed" for r in reports}
+                async with self._books:
+                    self.store.write_session(spec.step, fresh)
                     self.store.refresh_manifest(spec.step)
                 refused = any((r.error or "").startswith(START_FAILED) for r in reports)
                 detail = "; ".join(f"{r.replica_id}: {r.error}" for r in reports)
                 raise ControlError(422 if refused else 503, f"no replica started step {spec.step}: {detail}", reports)
-            if record is not None:
-                record.replicas = sorted({*record.replicas, *(r.replica_id for r in reports if r.ok)})
-                self.store.write_session(spec.step, record)
+            joined = {r.replica_id for r in reports if r.ok}
+
+            def record_start() -> None:
+                record = self.store.read_session(spec.step) if already else fresh
+                if record is not None:
+                    record.replicas = sorted({*record.replicas, *joined})
+                    self.store.write_session(spec.step, record)
+
+            self._bookkeep(record_start)
             if not already:
                 self._arm_watchdog(spec)
             return StartProfileResponse(
@@ -140,34 +173,41 @@ class ControlPlane:
     async def stop(self, req: StopProfileRequest, reason: str | None = None) -> StopProfileResponse:
         async with self._lock, _timed("stop"):
             t0 = time.perf_counter()
-            desired = await self._desired.get()
+            desired = await self._desired_state()
             if desired.active is None:
                 if req.pause:
                     desired.paused = True
-                    await self._desired.set(desired)
+                    await self._publish(desired)
                     await self._broadcast("stop_profile", None, True)
                 return StopProfileResponse(step=None, stopped=False)
             if desired.active.step != req.step:
                 raise ControlError(409, f"step {req.step} is not being profiled (active step: {desired.active.step})")
             step = desired.active.step
-            reports = await self._broadcast("stop_profile", step, req.pause)
+            # Replicas that start from now on must not join this step: publish with the stop.
+            after = desired.model_copy(update={"active": None, "paused": req.pause})
+            reports, _ = await asyncio.gather(
+                self._broadcast("stop_profile", step, req.pause), self._publish(after)
+            )
             critical_path_s = time.perf_counter() - t0
-            desired.active, desired.paused = None, req.pause
-            await self._desired.set(desired)
             if self._watchdog is not None and reason is None:
                 self._watchdog.cancel()
             self._watchdog = None
-            record = self.store.read_session(step)
-            if record is not None:
-                record.stopped_at = time.time()
-                record.auto_stopped = reason
-                for r in reports:
-                    if not r.ok:
-                        record.failures[r.replica_id] = r.error or "stop failed"
-                for rid in set(record.replicas) - {r.replica_id for r in reports}:
-                    record.failures[rid] = "replica died or was removed before the stop"
-                self.store.write_session(step, record)
-            self.store.refresh_manifest(step)
+            stopped_at = time.time()
+
+            def record_stop() -> None:
+                record = self.store.read_session(step)
+                if record is not None:
+                    record.stopped_at = stopped_at
+                    record.auto_stopped = reason
+                    for r in reports:
+                        if not r.ok:
+                            record.failures[r.replica_id] = r.error or "stop failed"
+                    for rid in set(record.replicas) - {r.replica_id for r in reports}:
+                        record.failures[rid] = "replica died or was removed before the stop"
+                    self.store.write_session(step, record)
+                self.store.refresh_manifest(step)
+
+            self._bookkeep(record_stop)
             self._collect_exports(step, {r.replica_id for r in reports if r.ok and r.files})
             return StopProfileResponse(
                 step=step,
@@ -185,17 +225,18 @@ class ControlPlane:
                 self._replicas, "export_report", step, timeout_s=self._args.export_timeout_s + 5
             )
             lost = replica_ids - {r.replica_id for r in reports if r.files or r.error}
-            if lost:
+
+            def record_lost() -> None:
                 record = self.store.read_session(step)
-                if record is not None:
+                if record is not None and lost:
                     for rid in lost:
                         record.failures.setdefault(rid, "replica died before its trace export finished")
                     self.store.write_session(step, record)
-            self.store.refresh_manifest(step)
+                self.store.refresh_manifest(step)
 
-        task = asyncio.ensure_future(collect())
-        self._collectors.add(task)
-        task.add_done_callback(self._collectors.discard)
+            self._bookkeep(record_lost)
+
+        self._spawn(collect())
 
     def _arm_watchdog(self, spec: SessionSpec) -> None:
         """Stop the step after max_duration_s even if no trainer ever calls stop."""
@@ -216,7 +257,7 @@ class ControlPlane:
     # -- /weights/update ------------------------------------------------------------------
     async def update_weights(self, req: UpdateWeightsRequest) -> UpdateWeightsResponse:
         async with self._lock, _timed("update_weights"):
-            desired = await self._desired.get()
+            desired = await self._desired_state()
             if req.version < desired.weight_version:
                 raise ControlError(
                     409, f"version {req.version} is older than the served version {desired.weight_version}"
@@ -232,7 +273,7 @@ class ControlPlane:
                 raise ControlError(422, f"weights not loaded, version {desired.weight_version} keeps serving: {detail}", reports)
             desired.weight_version, desired.weights_path = req.version, path
             desired.paused = not req.resume
-            await self._desired.set(desired)
+            await self._publish(desired)
             return UpdateWeightsResponse(
                 version=req.version,
                 replicas=reports,
@@ -241,7 +282,7 @@ class ControlPlane:
 
     # -- reads ----------------------------------------------------------------------------
     async def status(self) -> StatusResponse:
-        desired = await self._desired.get()
+        desired = await self._desired_state()
         reports = await self._broadcast("status")
         return StatusResponse(
             state="profiling" if desired.active else "idle",
