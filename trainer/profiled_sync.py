@@ -41,7 +41,6 @@ class SyncReport(BaseModel):
 
     plan: SyncPlan
     cost: SyncCost
-    update_s: float
 
 
 class ProfiledWeightSync:
@@ -117,7 +116,7 @@ class ProfiledWeightSync:
             self.active = None
         t0 = time.perf_counter()
         await self.client.update_weights(version, path, resume=plan.start_step is None)
-        cost.update_s = update_s = time.perf_counter() - t0
+        cost.update_s = time.perf_counter() - t0
         self._version = version
         if plan.start_step is not None:
             t0 = time.perf_counter()
@@ -131,7 +130,7 @@ class ProfiledWeightSync:
             await self._stop_trainer(plan.stop_step, cost)
         if plan.start_step is not None:
             await self._start_trainer(plan.start_step)
-        return SyncReport(plan=plan, cost=cost, update_s=update_s)
+        return SyncReport(plan=plan, cost=cost)
 
     async def end(self) -> None:
         """Stop whatever is active (also after an exception); never raises for a dead app."""

@@ -18,7 +18,6 @@ import sys
 import tempfile
 import time
 import types
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -28,7 +27,6 @@ from profiling.backends.npu_profiler import MISSING_TORCH_NPU, NpuProfilerBacken
 from profiling.config import ProfileOptions
 from profiling.manifest import ManifestEntry
 from profiling.session import ProfileSession, SessionSpec
-from profiling.store import TraceStore
 
 RID = "replica-0"
 WAIT = 20.0
@@ -254,18 +252,6 @@ def staging_root(tmp_path, monkeypatch) -> Path:
     root.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(root))
     return root
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> TraceStore:
-    return TraceStore(tmp_path / "profile")
-
-
-@pytest.fixture
-def exporter():
-    ex = ThreadPoolExecutor(max_workers=1, thread_name_prefix="export")
-    yield ex
-    ex.shutdown(wait=True)
 
 
 def npu_options(**npu) -> ProfileOptions:

@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,7 +19,6 @@ from profiling.backends.nsys_profiler import NEEDS_CUDA, NOTE_FILE, NsysProfiler
 from profiling.config import ProfileOptions
 from profiling.manifest import ManifestEntry
 from profiling.session import ProfileSession, SessionSpec
-from profiling.store import TraceStore
 
 RID = "replica-0"
 WAIT = 20.0
@@ -58,18 +55,6 @@ class FakeCuda:
 @pytest.fixture
 def cuda(monkeypatch) -> FakeCuda:
     return FakeCuda().install(monkeypatch)
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> TraceStore:
-    return TraceStore(tmp_path / "profile")
-
-
-@pytest.fixture
-def exporter():
-    ex = ThreadPoolExecutor(max_workers=1, thread_name_prefix="export")
-    yield ex
-    ex.shutdown(wait=True)
 
 
 def nsys_spec(step: int, steps: list[int] | None = None) -> SessionSpec:

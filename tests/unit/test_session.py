@@ -9,7 +9,6 @@ import gzip
 import json
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -20,22 +19,9 @@ from profiling.backends.torch_profiler import TRACE_FILE, TorchProfilerBackend
 from profiling.config import ProfileOptions
 from profiling.manifest import ManifestEntry
 from profiling.session import ProfileSession, SessionConflict, SessionSpec, StopOutcome
-from profiling.store import TraceStore
 
 RID = "replica-0"
 WAIT = 20.0
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> TraceStore:
-    return TraceStore(tmp_path / "profile")
-
-
-@pytest.fixture
-def exporter():
-    ex = ThreadPoolExecutor(max_workers=1, thread_name_prefix="export")
-    yield ex
-    ex.shutdown(wait=True)
 
 
 @pytest.fixture
