@@ -144,7 +144,7 @@ class ControlPlane:
                 desired.active = None
                 await self._publish(desired)
                 fresh.stopped_at = time.time()
-                fresh.failures = {r.replica_id: r.error or "start failed" for r in reports}
+                fresh.failures = {r.replica_id: r.error or START_FAILED for r in reports}
                 async with self._books:
                     self.store.write_session(spec.step, fresh)
                     self.store.refresh_manifest(spec.step)

@@ -25,9 +25,9 @@ def resolve_weights_path(path: str, allowed_dir: str | os.PathLike) -> Path:
         if not real.exists():
             raise WeightsError(f"path {path!r} does not exist (looked at {real})")
         files = safetensors_files(real)
+    except WeightsError:
+        raise
     except (ValueError, OSError) as e:  # NUL bytes, names too long, unreadable directories
-        if isinstance(e, WeightsError):
-            raise
         raise WeightsError(f"path {path!r} cannot be used: {e}") from e
     if not files:
         raise WeightsError(f"path {path!r} holds no .safetensors file")
