@@ -125,7 +125,11 @@ class CompletionRequest(StrictModel):
     prompt: str | list[int] | list[str] = Field(min_length=1)
     max_tokens: int = Field(16, ge=1, le=1024)
     temperature: float = Field(
-        1.0, ge=0.0, le=10.0, description="0: greedy; otherwise at least 0.01 (smaller overflows)."
+        1.0,
+        ge=0.0,
+        le=10.0,
+        allow_inf_nan=False,
+        description="0: greedy; otherwise at least 0.01 (smaller overflows).",
     )
     logprobs: int | None = Field(None, ge=0, le=1, description="0 or 1: sampled token's logprob.")
     seed: int | None = Field(None, ge=0, le=2**63 - 1)

@@ -3,6 +3,7 @@ Serve LLM's `make_fastapi_ingress`), with error handlers that keep every answer 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 from fastapi import FastAPI, Request
@@ -44,6 +45,8 @@ def _plain(errors: object) -> object:
         return {k: _plain(v) for k, v in errors.items() if k != "url"}
     if isinstance(errors, (list, tuple)):
         return [_plain(v) for v in errors]
+    if isinstance(errors, float) and not math.isfinite(errors):
+        return str(errors)  # JSON has no NaN/Infinity: echoing the input as-is would be a 500
     if isinstance(errors, (str, int, float, bool)) or errors is None:
         return errors
     return str(errors)
