@@ -126,6 +126,11 @@ class GlobalProfilerConfig(StrictModel):
     steps: list[StepNumber] | None = Field(None, description="Profiled steps, e.g. [1, 2, 5]; null: off.")
     save_path: str = "outputs/profile"
     profile_continuous_steps: bool = False
+    merge_on_complete: bool = Field(
+        True,
+        description="Merge a step's traces into step_<k>/merged.trace.json.gz when its manifest "
+        "becomes complete or partial (in a background child process).",
+    )
 
     @field_validator("steps")
     @classmethod

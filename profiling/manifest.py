@@ -23,10 +23,31 @@ class SyncCost(BaseModel):
     stop_s: float | None = None
     update_s: float | None = None
     start_s: float | None = None
+    began_at: float | None = None
+    """Unix seconds when the sync's first control call was sent; the calls then ran back to back
+    (stop, update_weights, start), so the durations place each of them on the timeline."""
 
     @property
     def total_s(self) -> float:
         return sum(x for x in (self.stop_s, self.update_s, self.start_s) if x is not None)
+
+
+class ClockSample(BaseModel):
+    """A range the profiler recorded into the trace (`marker`), bracketed by wall-clock readings
+    (`time.time_ns()`) taken just before it opened and just after it closed. The range's own
+    timestamps in the trace are the profiler's clock at that instant, so comparing the two
+    measures how the trace's clock maps to wall-clock time."""
+
+    marker: str
+    wall_before_ns: int
+    wall_after_ns: int
+
+
+class ClockSync(BaseModel):
+    """Clock samples taken when recording started and when it stopped (None: not taken)."""
+
+    start: ClockSample | None = None
+    stop: ClockSample | None = None
 
 
 class ManifestEntry(BaseModel):
@@ -57,6 +78,8 @@ class ManifestEntry(BaseModel):
     export_s: float | None = None
     sync: SyncCost | None = None
     """Trainer entries: the critical-path cost of the sync that ended this step."""
+    clock: ClockSync | None = None
+    """Clock samples for aligning this process's trace with the others (None: backend has none)."""
     error: str | None = None
 
     @property
@@ -81,6 +104,43 @@ class SessionRecord(BaseModel):
     auto_stopped: str | None = None
 
 
+class ProcessAlignment(BaseModel):
+    """How one trace file's timestamps were mapped to wall-clock time in the merged timeline."""
+
+    key: str
+    """The entry (`rollout/<replica_id>` or `trainer/rank_<r>`)."""
+    file: str
+    source: Literal["clock_sync", "baseTimeNanoseconds", "started_at", "epoch"]
+    """clock_sync: measured from the entry's clock samples; baseTimeNanoseconds: the trace's
+    `ts + baseTimeNanoseconds` taken as wall clock (not measured); started_at: a trace with no
+    absolute time, its first event placed at the entry's started_at; epoch: `ts` taken as unix
+    microseconds."""
+    offset_ns: int = 0
+    """Added to the trace's absolute time (`ts` plus `baseTimeNanoseconds`) to get wall clock."""
+    uncertainty_ns: int | None = None
+    """Half the widest wall-clock bracket around a clock marker, less the marker's duration."""
+    drift_ns: int | None = None
+    """Offset measured at stop minus offset measured at start (both samples found)."""
+
+
+class MergeRecord(BaseModel):
+    """`step_<k>/merge.json`: the outcome of the last merge of the step's traces."""
+
+    status: Literal["ok", "error"]
+    path: str | None = None
+    """The merged trace, relative to the step directory."""
+    digest: str
+    """Digest of the step's records (session + entries) the merge was made from."""
+    finished_at: float
+    duration_s: float
+    bytes_in: int = 0
+    bytes_out: int = 0
+    events: int = 0
+    processes: list[ProcessAlignment] = Field(default_factory=list)
+    skipped: list[str] = Field(default_factory=list, description="'<file>: <why>' per file not merged.")
+    error: str | None = None
+
+
 class StepManifest(BaseModel):
     """`step_<k>/manifest.json`."""
 
@@ -96,6 +156,8 @@ class StepManifest(BaseModel):
     """Set when the controller stopped the step itself (e.g. `max_duration_s`)."""
     sync: SyncCost | None = None
     entries: list[ManifestEntry] = Field(default_factory=list)
+    merge: MergeRecord | None = None
+    """The last merge into `merged.trace.json.gz` (None: never merged)."""
 
     @classmethod
     def assemble(cls, step: int, session: SessionRecord | None, entries: list[ManifestEntry]) -> StepManifest:

@@ -26,10 +26,11 @@ from pydantic import BaseModel, Field
 
 from profiling.backends import ProfilerBackend, RecordedTrace, create_backend
 from profiling.config import ProfileOptions
-from profiling.manifest import ManifestEntry
+from profiling.manifest import ClockSync, ManifestEntry
 from profiling.store import TraceStore
 
 SessionState = Literal["idle", "profiling", "capped", "exporting"]
+_KEEP_EXPORTS = 16
 
 
 class SessionConflict(RuntimeError):
@@ -141,6 +142,8 @@ class ProfileSession:
         )
         backend.start()
         try:
+            clock = backend.sample_clock("start")
+            entry.clock = ClockSync(start=clock) if clock else None
             self._store.write_entry(spec.step, entry)
         except BaseException:
             backend.stop()
@@ -177,11 +180,14 @@ class ProfileSession:
         self._spec = self._backend = self._entry = None
         self._deadline = None
         self._state = "idle"
+        # Registered before the acknowledgement: whoever asks for the export next must wait
+        # for it, not find nothing because the finalize has not started yet.
+        pending = self._pending_export(step) if was_recording else None
         if on_closed:
             on_closed(outcome)
         if was_recording:
             assert backend is not None
-            self._finish_recording(spec, backend, entry)
+            self._finish_recording(spec, backend, entry, pending)
         return outcome
 
     @contextlib.contextmanager
@@ -224,25 +230,48 @@ class ProfileSession:
         self._entry.auto_stopped = reason
         self._entry.stopped_at = time.time()
         self._state = "capped"
-        self._finish_recording(self._spec, self._backend, self._entry)
+        self._finish_recording(self._spec, self._backend, self._entry, self._pending_export(self._spec.step))
 
-    def _finish_recording(self, spec: SessionSpec, backend: ProfilerBackend, entry: ManifestEntry) -> None:
-        """Finalize the profiler (on this, the model thread) and export in the background."""
+    def _pending_export(self, step: int) -> Future[ManifestEntry]:
+        pending: Future[ManifestEntry] = Future()
+        with self._lock:
+            self._exports[step] = pending
+            # Keep the last few steps' results (late export reports); forget older ones.
+            for old in [k for k, f in self._exports.items() if f.done()][:-_KEEP_EXPORTS]:
+                del self._exports[old]
+        return pending
+
+    def _finish_recording(
+        self, spec: SessionSpec, backend: ProfilerBackend, entry: ManifestEntry, pending: Future[ManifestEntry]
+    ) -> None:
+        """Finalize the profiler (on this, the model thread) and export in the background;
+        `pending` gets the final entry."""
+        clock = backend.sample_clock("stop")
+        if clock is not None:
+            entry.clock = (entry.clock or ClockSync()).model_copy(update={"stop": clock})
         t0 = time.perf_counter()
-        trace = backend.stop()
+        trace: RecordedTrace | None = None
+        try:
+            trace = backend.stop()
+        except Exception as e:  # noqa: BLE001 - recorded in the entry: the step stays accounted for
+            entry.status, entry.error = "error", f"profiler stop failed: {e!r}"
         entry.finalize_s = time.perf_counter() - t0
         fut = self._exporter.submit(self._export, spec.step, entry.model_copy(deep=True), trace)
-        with self._lock:
-            self._exports[spec.step] = fut
+        fut.add_done_callback(lambda f: _resolve(pending, f))
 
-    def _export(self, step: int, entry: ManifestEntry, trace: RecordedTrace) -> ManifestEntry:
+    def _export(self, step: int, entry: ManifestEntry, trace: RecordedTrace | None) -> ManifestEntry:
         t0 = time.perf_counter()
         try:
+            if trace is None:  # the profiler's stop failed: nothing to write, the error is recorded
+                raise RuntimeError(entry.error)
             paths = trace.export(self._store.entry_dir(step, entry))
             entry.files = [self._store.relative(step, p) for p in paths]
             entry.bytes = sum(p.stat().st_size for p in paths)
+            if trace.forward_steps is not None:
+                entry.forward_steps = trace.forward_steps
         except Exception as e:  # noqa: BLE001 - any export failure is recorded, not raised
-            entry.status, entry.error, entry.files = "error", f"trace export failed: {e!r}", []
+            entry.status, entry.files = "error", []
+            entry.error = entry.error or f"trace export failed: {e!r}"
         entry.exporting = False
         entry.export_s = time.perf_counter() - t0
         try:
@@ -253,3 +282,10 @@ class ProfileSession:
         except OSError as e:
             entry.status, entry.error = "error", f"could not record the trace: {e}"
         return entry
+
+
+def _resolve(pending: Future[ManifestEntry], done: Future[ManifestEntry]) -> None:
+    if done.exception() is not None:
+        pending.set_exception(done.exception())
+    else:
+        pending.set_result(done.result())

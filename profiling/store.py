@@ -4,27 +4,31 @@
     <save_path>/step_<k>/session.json                 controller's record
     <save_path>/step_<k>/rollout/<replica_id>/...     engine traces + entry.json
     <save_path>/step_<k>/trainer/rank_<r>/...         trainer traces + entry.json
+    <save_path>/step_<k>/merged.trace.json.gz         one timeline (profiling.analysis.merge)
+    <save_path>/step_<k>/merge.json                   the last merge's record
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import os
 import re
 import shutil
 import tempfile
 from pathlib import Path
-
 from typing import TypeVar
 
 from pydantic import BaseModel
 
 from profiling.config import MAX_STEP, check_safe_name
-from profiling.manifest import ManifestEntry, SessionRecord, StepManifest
+from profiling.manifest import ManifestEntry, MergeRecord, SessionRecord, StepManifest
 
 ENTRY_FILE = "entry.json"
 SESSION_FILE = "session.json"
 MANIFEST_FILE = "manifest.json"
+MERGE_FILE = "merge.json"
+MERGED_TRACE = "merged.trace.json.gz"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 M = TypeVar("M", bound=BaseModel)
 
@@ -51,8 +55,16 @@ def atomic_write_text(path: Path, text: str) -> None:
 class TraceStore:
     """All paths under one `save_path`; nothing here writes outside it."""
 
-    def __init__(self, save_path: str | os.PathLike):
+    def __init__(self, save_path: str | os.PathLike, *, merge_on_complete: bool = False):
+        """`merge_on_complete`: when a refresh finds a step `complete` or `partial`, merge its
+        traces into `merged.trace.json.gz` in a background child process (never on the caller's
+        thread, never in the caller's interpreter)."""
         self.root = Path(save_path).expanduser().resolve()
+        self._auto_merge = None
+        if merge_on_complete:
+            from profiling.analysis.auto import AutoMerger  # lazy: only producers that merge
+
+            self._auto_merge = AutoMerger(self.root)
 
     # -- layout -------------------------------------------------------------------------
     def step_dir(self, step: int) -> Path:
@@ -121,11 +133,33 @@ class TraceStore:
         with open(step_dir / ".manifest.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             manifest = StepManifest.assemble(step, self.read_session(step), self.read_entries(step))
+            manifest.merge = self.read_merge(step)
             atomic_write_text(step_dir / MANIFEST_FILE, manifest.model_dump_json(indent=2))
+        if self._auto_merge is not None and manifest.status in ("complete", "partial"):
+            self._auto_merge.request(step)
         return manifest
 
     def read_manifest(self, step: int) -> StepManifest | None:
         return _read_model(self.step_dir(step) / MANIFEST_FILE, StepManifest)
+
+    def write_merge(self, step: int, record: MergeRecord) -> None:
+        atomic_write_text(self.step_dir(step) / MERGE_FILE, record.model_dump_json(indent=2))
+
+    def read_merge(self, step: int) -> MergeRecord | None:
+        return _read_model(self.step_dir(step) / MERGE_FILE, MergeRecord)
+
+    def records_digest(self, step: int) -> str:
+        """A digest of the step's session record and entries: a merge made from the same digest
+        is up to date."""
+        step_dir = self.step_dir(step)
+        h = hashlib.sha256()
+        for path in [step_dir / SESSION_FILE, *sorted(step_dir.glob(f"*/*/{ENTRY_FILE}"))]:
+            h.update(str(path.relative_to(step_dir)).encode())
+            try:
+                h.update(path.read_bytes())
+            except FileNotFoundError:
+                h.update(b"\0missing")
+        return h.hexdigest()
 
     def steps(self) -> list[int]:
         """Steps that have a directory under save_path, ascending."""

@@ -64,7 +64,11 @@ def build_app(args: dict[str, Any]) -> Application:
         RolloutReplica,
         name="RolloutReplica",
         num_replicas=cfg.num_replicas,
-        ray_actor_options={"num_cpus": cfg.replica_num_cpus},
+        ray_actor_options={
+            "num_cpus": cfg.replica_num_cpus,
+            "num_gpus": cfg.replica_num_gpus,
+            **({"runtime_env": {"env_vars": cfg.replica_env}} if cfg.replica_env else {}),
+        },
         max_ongoing_requests=256,
         health_check_period_s=2,
     ).bind(cfg)

@@ -31,7 +31,7 @@ from serve_app.api import (
 from serve_app.config import AppArgs
 from serve_app.desired_state import DesiredState, DesiredStateStore
 from serve_app.fanout import broadcast
-from serve_app.metrics import CONTROL_ERRORS, CONTROL_SECONDS
+from serve_app.metrics import CONTROL_CALL_ERRORS, CONTROL_ERRORS, CONTROL_SECONDS, observe_exports, observe_stop
 from serve_app.weights import WeightsError, resolve_weights_path
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ class ControlPlane:
         self._replicas = replicas
         self._args = args
         self._desired = desired
-        self.store = TraceStore(args.save_path)
+        self.store = TraceStore(args.save_path, merge_on_complete=args.merge_on_complete)
         self._lock = asyncio.Lock()
         self._books = asyncio.Lock()  # FIFO: session/manifest writes happen in call order
         self._state: DesiredState | None = None
@@ -189,6 +189,7 @@ class ControlPlane:
                 self._broadcast("stop_profile", step, req.pause), self._publish(after)
             )
             critical_path_s = time.perf_counter() - t0
+            observe_stop(critical_path_s, reports)
             if self._watchdog is not None and reason is None:
                 self._watchdog.cancel()
             self._watchdog = None
@@ -232,7 +233,7 @@ class ControlPlane:
                     for rid in lost:
                         record.failures.setdefault(rid, "replica died before its trace export finished")
                     self.store.write_session(step, record)
-                self.store.refresh_manifest(step)
+                observe_exports(self.store.refresh_manifest(step))
 
             self._bookkeep(record_lost)
 
@@ -281,9 +282,9 @@ class ControlPlane:
             )
 
     # -- reads ----------------------------------------------------------------------------
-    async def status(self) -> StatusResponse:
+    async def status(self, timeout_s: float | None = None) -> StatusResponse:
         desired = await self._desired_state()
-        reports = await self._broadcast("status")
+        reports = await self._broadcast("status", timeout_s=timeout_s)
         return StatusResponse(
             state="profiling" if desired.active else "idle",
             active_step=desired.active.step if desired.active else None,
@@ -308,7 +309,7 @@ class ControlPlane:
 
 
 class _timed:
-    """Observe a control call's latency in the CONTROL_SECONDS histogram."""
+    """Observe a control call's latency in CONTROL_SECONDS and its error status in CONTROL_CALL_ERRORS."""
 
     def __init__(self, call: str):
         self._call = call
@@ -318,3 +319,5 @@ class _timed:
 
     async def __aexit__(self, *exc) -> None:
         CONTROL_SECONDS.labels(self._call).observe(time.perf_counter() - self._t0)
+        if isinstance(exc[1], ControlError):
+            CONTROL_CALL_ERRORS.labels(self._call, str(exc[1].status)).inc()

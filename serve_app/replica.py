@@ -35,14 +35,18 @@ class RolloutReplica:
         self.replica_id = ctx.replica_tag
         self._args = args
         self._node_id = ray.get_runtime_context().get_node_id()
-        self._session = ProfileSession(
-            store=TraceStore(args.save_path),
-            entry_identity=ManifestEntry(
-                role="rollout", replica_id=self.replica_id, node_id=self._node_id
+        self.engine = create_engine(
+            args,
+            lambda backend_factory: ProfileSession(
+                store=TraceStore(args.save_path, merge_on_complete=args.merge_on_complete),
+                entry_identity=ManifestEntry(
+                    role="rollout", replica_id=self.replica_id, node_id=self._node_id
+                ),
+                exporter=ThreadPoolExecutor(1, thread_name_prefix="trace-export"),
+                backend_factory=backend_factory,
             ),
-            exporter=ThreadPoolExecutor(1, thread_name_prefix="trace-export"),
+            self.replica_id,
         )
-        self.engine = create_engine(args, self._session)
         await self._join(DesiredStateStore(ctx.app_name))
 
     async def _join(self, store: DesiredStateStore) -> None:
@@ -148,7 +152,7 @@ class RolloutReplica:
 
     async def check_health(self) -> None:
         if not self.engine.healthy():
-            raise RuntimeError("model thread is not running")
+            raise RuntimeError(f"engine {self._args.engine} is not healthy")
 
     async def __del__(self) -> None:
         await self.engine.shutdown()

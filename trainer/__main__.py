@@ -18,7 +18,7 @@ from profiling.store import TraceStore
 from trainer.client import RolloutClient, RolloutError
 from trainer.config import ConfigError, TrainerConfig, load_config
 from trainer.loop import RunResult, VersionStats, run_training
-from trainer.report import profile_table, wait_for_manifests
+from trainer.report import finish_steps, profile_table, wait_for_manifests
 
 cli = typer.Typer(add_completion=False, help=__doc__)
 console = Console()
@@ -33,7 +33,7 @@ def main(
     logging.basicConfig(level=logging.WARNING)
     try:
         cfg = load_config(config, ctx.args)
-        result, manifests = asyncio.run(_run(cfg))
+        result, manifests, report = asyncio.run(_run(cfg))
     except (ConfigError, RolloutError, ValueError) as e:
         console.print(f"[red]error:[/red] {e}")
         raise typer.Exit(1) from None
@@ -44,13 +44,23 @@ def main(
     if manifests:
         console.print(profile_table(manifests))
         console.print(f"traces under {TraceStore(cfg.global_profiler.save_path).root}")
+    if report is not None:
+        index, merge_errors = report
+        console.print(f"report: {index}", soft_wrap=True)  # one line, for scripts
+        for e in merge_errors:
+            console.print(f"[red]error:[/red] {e}")
+        if merge_errors:
+            raise typer.Exit(1)
     if any(m is None or m.status != "complete" for m in manifests.values()):
         console.print("[red]error:[/red] some profiled steps are not complete (see the table)")
         raise typer.Exit(1)
 
 
-async def _run(cfg: TrainerConfig) -> tuple[RunResult, dict[int, StepManifest | None]]:
-    """Train, then wait for every profiled step's traces while the app is still up."""
+async def _run(
+    cfg: TrainerConfig,
+) -> tuple[RunResult, dict[int, StepManifest | None], tuple[Path, list[str]] | None]:
+    """Train, then wait for every profiled step's traces while the app is still up (a background
+    merge in the app must not be cut off), merge them and write the reports."""
     with contextlib.ExitStack() as stack:
         url, model_dir, token = cfg.rollout.url, cfg.trainer.model_path, cfg.rollout.control_token
         if url is None:
@@ -88,13 +98,19 @@ async def _run(cfg: TrainerConfig) -> tuple[RunResult, dict[int, StepManifest | 
         async with RolloutClient(url, control_token=token) as client:
             with progress:
                 result = await run_training(cfg, client, model_dir, on_version)
-        manifests = {}
+        manifests, report = {}, None
         if cfg.global_profiler.steps:
             store = TraceStore(cfg.global_profiler.save_path)
             reached = cfg.trainer.total_versions + 1  # step k+1 starts at the sync publishing k
             labels = [w[0] for w in StepSchedule.from_config(cfg.global_profiler).windows if w[0] <= reached]
             manifests = await asyncio.to_thread(wait_for_manifests, store, labels, cfg.profile_export_timeout_s)
-        return result, manifests
+            recorded = [k for k, m in manifests.items() if m is not None]
+            if recorded:
+                console.print("merging traces and writing reports ...")
+                report = await asyncio.to_thread(
+                    finish_steps, store, recorded, cfg.global_profiler.merge_on_complete
+                )
+        return result, manifests, report
     raise AssertionError("unreachable")
 
 

@@ -105,6 +105,7 @@ async def run_training(
         save_path=cfg.global_profiler.save_path if cfg.global_profiler.steps else None,
         options=cfg.profiler,
         model_executor=executor,
+        merge_on_complete=cfg.global_profiler.merge_on_complete,
     )
     result = RunResult()
     queue: asyncio.Queue[Sample] = asyncio.Queue(maxsize=t.mini_batch_size * 2)

@@ -53,10 +53,12 @@ class ProfiledWeightSync:
         options: ProfileOptions | None = None,
         rank: int = 0,
         model_executor: Executor | None = None,
+        merge_on_complete: bool = False,
     ):
         """`save_path`: where the trainer writes its own traces (None: rollout side only).
         `model_executor`: the single thread that runs the trainer's model; trainer profiling
-        is started and stopped there (torch.profiler records per thread)."""
+        is started and stopped there (torch.profiler records per thread).
+        `merge_on_complete`: merge a step's traces when this process completes its manifest."""
         self.schedule = schedule
         self.client = client
         self.options = options or ProfileOptions()
@@ -64,7 +66,7 @@ class ProfiledWeightSync:
         self._executor = model_executor or ThreadPoolExecutor(1, thread_name_prefix="trainer-model")
         self._session = (
             ProfileSession(
-                store=TraceStore(save_path),
+                store=TraceStore(save_path, merge_on_complete=merge_on_complete),
                 entry_identity=ManifestEntry(role="trainer", rank=rank),
                 exporter=ThreadPoolExecutor(1, thread_name_prefix="trainer-export"),
             )
@@ -108,7 +110,7 @@ class ProfiledWeightSync:
         stop -> update_weights -> start as the schedule says."""
         plan = self.schedule.sync(version)
         path = str(publish if isinstance(publish, (str, Path)) else await publish())
-        cost = SyncCost()
+        cost = SyncCost(began_at=time.time())
         if plan.stop_step is not None:
             t0 = time.perf_counter()
             await self.client.stop_profile(plan.stop_step, pause=True)

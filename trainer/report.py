@@ -1,11 +1,15 @@
-"""The end-of-run table: per profiled step, its files, the sync's cost, forward steps."""
+"""The end of the run: the table (per profiled step, its files, the sync's cost, forward steps),
+and each step's merged timeline and HTML report."""
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 from rich.table import Table
 
+from profiling.analysis.merge import MergeError, merge_step
+from profiling.analysis.report import write_reports
 from profiling.manifest import StepManifest
 from profiling.store import TraceStore
 
@@ -43,3 +47,20 @@ def profile_table(manifests: dict[int, StepManifest | None]) -> Table:
             f"{sum(e.bytes for e in m.entries) / 2**20:.1f}",
         )
     return table
+
+
+def finish_steps(store: TraceStore, labels: list[int], merge: bool) -> tuple[Path, list[str]]:
+    """Make sure each step's merged timeline is current (`merge`: waits for a background merge
+    still running, merges if none did, retries one that failed), then write the steps' reports
+    and the index. Returns the index and the merge errors."""
+    errors = []
+    if merge:
+        for k in labels:
+            try:
+                merge_step(store, k, only_if_stale=True)
+                last = store.read_merge(k)
+                if last is None or last.status != "ok":
+                    merge_step(store, k)
+            except MergeError as e:
+                errors.append(str(e))
+    return write_reports(store, labels).index, errors

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from profiling.config import ProfileOptions
+from profiling.manifest import ClockSample
 
 
 class ProfilerStateError(RuntimeError):
@@ -16,6 +17,9 @@ class ProfilerStateError(RuntimeError):
 
 class RecordedTrace(ABC):
     """A finished recording that can be written to disk later, off the critical path."""
+
+    forward_steps: int | None = None
+    """Engine steps found in the trace by `export`, for tools that cannot count them live."""
 
     @abstractmethod
     def export(self, out_dir: Path) -> list[Path]:
@@ -54,6 +58,11 @@ class ProfilerBackend(ABC):
     def mark(self, name: str) -> Iterator[None]:
         """A named range in the trace (a no-op when the tool has no ranges)."""
         yield
+
+    def sample_clock(self, at: str) -> ClockSample | None:
+        """Record a clock marker named after `at` while recording (None: this tool has no
+        timestamps of its own to align)."""
+        return None
 
     @abstractmethod
     def _start(self) -> None: ...

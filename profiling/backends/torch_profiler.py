@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -10,6 +12,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from profiling.backends.base import ProfilerBackend, RecordedTrace
+from profiling.manifest import ClockSample
 
 TRACE_FILE = "trace.pt.trace.json.gz"
 _ACTIVITIES = {"cpu": ProfilerActivity.CPU, "cuda": ProfilerActivity.CUDA}
@@ -53,3 +56,13 @@ class TorchProfilerBackend(ProfilerBackend):
     def mark(self, name: str) -> Iterator[None]:
         with record_function(name):
             yield
+
+    def sample_clock(self, at: str) -> ClockSample | None:
+        """An empty range bracketed by wall-clock readings: its timestamps in the trace are the
+        profiler's clock at that instant, so the merge measures the trace-to-wall-clock offset
+        instead of assuming Kineto's clock is `time.time_ns()`."""
+        name = f"clock_sync {at} pid={os.getpid()}"
+        before = time.time_ns()
+        with record_function(name):
+            pass
+        return ClockSample(marker=name, wall_before_ns=before, wall_after_ns=time.time_ns())

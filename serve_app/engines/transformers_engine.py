@@ -18,13 +18,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 from transformers.cache_utils import DynamicCache
 
 from profiling.manifest import ManifestEntry
 from profiling.session import ProfileSession, SessionSpec, StopOutcome
 from serve_app.engines.base import EngineStatus, GenerateRequest, GenerateResult, RolloutEngine
 from serve_app.engines.model_thread import ModelThread
+from serve_app.engines.tokenizer import HfTokenizerMixin
 from serve_app.weights import WeightsError, read_state_dict
 
 log = logging.getLogger(__name__)
@@ -55,7 +56,7 @@ class _Batch:
     position_ids: torch.Tensor | None = None
 
 
-class TransformersEngine(RolloutEngine):
+class TransformersEngine(HfTokenizerMixin, RolloutEngine):
     def __init__(
         self,
         *,
@@ -70,7 +71,7 @@ class TransformersEngine(RolloutEngine):
         self._max_batch = max_batch_size
         self._hold_timeout_s = hold_timeout_s
         torch.set_num_threads(1)  # replicas share few cores; one intra-op thread each
-        self._tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self._load_tokenizer(model_dir)
         self._model = LlamaForCausalLM.from_pretrained(model_dir).eval()
         self._eos = self._tokenizer.eos_token_id
         self._pad = self._tokenizer.pad_token_id
@@ -84,25 +85,13 @@ class TransformersEngine(RolloutEngine):
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="weights")
         self._thread = ModelThread(self._engine_step, self._session.check_deadline)
 
-    # -- tokenizer ---------------------------------------------------------------------------
-    def tokenize(self, text: str) -> list[int]:
-        return self._tokenizer(text).input_ids
-
-    def detokenize(self, token_ids: list[int]) -> str:
-        return self._tokenizer.decode(token_ids, skip_special_tokens=True)
-
-    def token_strings(self, token_ids: list[int]) -> list[str]:
-        return [self._tokenizer.decode([t]) for t in token_ids]
-
     @property
     def vocab_size(self) -> int:
         return self._model.config.vocab_size
 
     # -- generation --------------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> GenerateResult:
-        bad = [t for t in request.prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
+        self.check_prompt(request.prompt_token_ids)
         gen = torch.Generator().manual_seed(request.seed) if request.seed is not None else None
         seq = _Sequence(request, Future(), gen)
         with self._pending_lock:

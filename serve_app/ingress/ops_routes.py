@@ -2,11 +2,25 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
+
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import Response
 
+from serve_app.control import ControlPlane
+from serve_app.metrics import refresh_exports, refresh_fleet
+
+log = logging.getLogger(__name__)
+
+SCRAPE_STATUS_TIMEOUT_S = 3.0
+"""How long a scrape waits for the replicas' status: well under Prometheus' default 10 s scrape
+timeout, so a slow or dead replica shows as `up 0` instead of failing the whole scrape."""
+
 
 class OpsRoutesMixin:
+    control: ControlPlane
+
     ENDPOINTS = {
         "health": lambda app: app.get("/health", tags=["ops"]),
         "metrics": lambda app: app.get("/metrics", tags=["ops"]),
@@ -17,5 +31,12 @@ class OpsRoutesMixin:
         return {"status": "ok"}
 
     async def metrics(self) -> Response:
-        """Prometheus text exposition."""
+        """Prometheus text exposition of the control plane, with the replicas' state as of now."""
+        await asyncio.to_thread(refresh_exports, self.control.store)  # reads manifests: off the loop
+        try:
+            fleet = await self.control.status(timeout_s=SCRAPE_STATUS_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - the counters and histograms must still be served
+            log.exception("metrics: could not read the replicas' status; serving without it")
+            fleet = None
+        refresh_fleet(fleet)
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)

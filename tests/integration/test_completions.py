@@ -93,7 +93,7 @@ def test_batched_greedy_matches_single(http):
     with ThreadPoolExecutor(len(prompts) * 2) as pool:
         together = list(pool.map(lambda p: complete(http, p, **req)["choices"][0], prompts * 2))
     batched = complete(http, prompts, **req)["choices"]
-    for p, ch in zip(prompts * 2 + prompts, together + batched):
+    for p, ch in zip(prompts * 2 + prompts, together + batched, strict=True):
         assert ch["token_ids"] == alone[p]["token_ids"], p
         assert ch["logprobs"]["token_logprobs"] == pytest.approx(alone[p]["logprobs"]["token_logprobs"], abs=1e-3)
 

@@ -79,6 +79,14 @@ def test_profile_cycle_writes_complete_manifest_and_traces(app, http):
     assert Path(listed["save_path"]) == app.save_path
     assert {"step": step, "steps": [step], "status": "complete"} in listed["steps"]
 
+    # The app merges the settled step into one timeline in the background (merge_on_complete).
+    merge = poll(
+        lambda: json.loads((step_dir / "manifest.json").read_text()).get("merge"),
+        timeout=60, what=f"the background merge of step {step}",
+    )
+    assert merge["status"] == "ok" and (step_dir / "merged.trace.json.gz").is_file(), merge
+    assert {a["key"] for a in merge["processes"]} == {f"rollout/{e['replica_id']}" for e in rollout}
+
 
 def test_weight_update_between_profiled_steps_is_attributed_exactly(app, http, model_dir):
     k, version = 21, 1

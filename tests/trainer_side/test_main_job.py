@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from .helpers import REPO_ROOT, by_role, entry_markers, read_manifest
+from analysis.browser import assert_report_rendered, screenshot
+
+from .helpers import MARKER, REPO_ROOT, by_role, entry_markers, read_manifest, read_trace
 
 CLI_TIMEOUT_S = 600
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(CLI_TIMEOUT_S + 180)]
@@ -108,6 +110,37 @@ def test_main_job_step_is_complete_and_attributed(main_job, k):
 def test_main_job_step_5_is_complete_and_attributed(main_job):
     assert main_job.returncode == 0, main_job.log
     check_step(main_job, 5)
+
+
+@pytest.mark.parametrize("k", [1, 2, 5])
+def test_main_job_merges_the_step_from_every_process(main_job, k):
+    """step_<k>/merged.trace.json.gz holds the trainer's and every replica's forward steps, each
+    process named, clocks measured, and the sync's control calls."""
+    assert main_job.returncode == 0, main_job.log
+    m = read_manifest(main_job.profile, k)
+    assert m["merge"] is not None and m["merge"]["status"] == "ok", m["merge"]
+    assert {a["source"] for a in m["merge"]["processes"]} == {"clock_sync"}, m["merge"]["processes"]
+    trace = read_trace(main_job.profile / f"step_{k}" / "merged.trace.json.gz")
+    events = trace["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e["name"] == "process_name"}
+    unnamed = {e["pid"] for e in events if e.get("ph") != "M"} - set(names)
+    assert not unnamed, f"events of unnamed processes {unnamed}"
+    groups = ["trainer rank 0"] + [f"rollout {e['replica_id']} (" for e in by_role(m, "rollout")]
+    forward_in = {names[e["pid"]] for e in events if MARKER.match(str(e.get("name", "")))}
+    for group in groups:
+        assert any(n.startswith(group) for n in forward_in), f"step {k}: no forward step from {group!r}: {forward_in}"
+    rollout_names = [n for n in names.values() if n.startswith("rollout ")]
+    assert all(f"weights v{k - 1}" in n for n in rollout_names), rollout_names
+    assert any(e.get("name") == f"stop step {k}" for e in events)
+
+
+def test_main_job_writes_a_report_that_renders(main_job, tmp_path):
+    assert main_job.returncode == 0, main_job.log
+    index = main_job.profile / "index.html"
+    assert f"report: {index}" in main_job.stdout, main_job.log
+    for k in (1, 2, 5):
+        assert (main_job.profile / f"step_{k}" / "report.html").is_file()
+    assert_report_rendered(screenshot(main_job.profile / "step_1" / "report.html", tmp_path / "step_1.png"))
 
 
 def test_last_step_export_survives_the_end_of_the_job(tmp_path):

@@ -168,14 +168,18 @@ def test_on_closed_runs_before_finalize(store, exporter, model):
         calls.append("ack")
         seen["outcome"] = outcome
         seen["trace_exists"] = trace_path.exists()
-        seen["exports"] = s.wait_exported(2)  # no export submitted yet
+        try:  # the export is registered before the ack, so a waiter waits (here: times out)
+            s.wait_exported(2, timeout=0.05)
+            seen["waited"] = False
+        except TimeoutError:
+            seen["waited"] = True
         seen["pending"] = s.exports_pending
 
     out = s.stop(2, on_closed=on_closed)
     assert calls == ["ack", "finalize"]
     assert seen["outcome"] == out and seen["outcome"].stopped is True
     assert seen["outcome"].forward_steps == 2
-    assert seen["trace_exists"] is False and seen["exports"] is None and seen["pending"] == 0
+    assert seen["trace_exists"] is False and seen["waited"] and seen["pending"] == 1
     assert s.wait_exported(2, timeout=WAIT).status == "ok"
     assert trace_path.is_file()
 

@@ -1,0 +1,24 @@
+# GPU deployment image: the rollout app on vLLM, served by Ray Serve.
+#   docker build -t rollout-profiler .
+#   docker run --gpus all --shm-size 8g -p 8000:8000 \
+#     -v /path/to/checkpoint:/models/policy:ro -v /path/to/data:/data rollout-profiler
+# See docs/engines.md ("Docker").
+FROM vllm/vllm-openai:v0.33.0
+
+WORKDIR /opt/rollout-profiler
+COPY pyproject.toml README.md ./
+COPY profiling ./profiling
+COPY serve_app ./serve_app
+COPY trainer ./trainer
+COPY config ./config
+# The base image already has vLLM and its CUDA torch; installing the project keeps them.
+RUN python3 -m pip install --no-cache-dir . && mkdir -p /data/traces /data/weights
+
+ENV HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+EXPOSE 8000
+# Replicas build their engines for minutes before /health answers.
+HEALTHCHECK --interval=30s --timeout=10s --start-period=900s --retries=3 \
+  CMD python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=8)" || exit 1
+# The base image's entrypoint is `vllm serve`; this image runs Ray Serve instead.
+ENTRYPOINT []
+CMD ["serve", "run", "config/serve.vllm-gpu.yaml"]

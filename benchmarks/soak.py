@@ -1,0 +1,244 @@
+"""Soak: many start/stop cycles under steady generation load, with periodic weight updates.
+
+Each cycle profiles one step: start(k) -> a short window of generation -> stop(k). Every
+`update_every` cycles the stop pauses and a weight update follows (as the trainer does). All
+the while `clients` concurrent clients keep generating. At the end it reports failed requests
+(goal 0), cycles whose manifest is not complete (goal 0), the stop's critical-path time (p50/p99,
+HTTP round trip as the trainer sees it), and the replicas' and ingress's file descriptors,
+threads and RSS after warm-up, at the middle and at the end (no growth trend).
+
+    python benchmarks/soak.py [--cycles 1000] [--clients 8] [--update-every 10]
+
+tests/integration/test_soak.py runs a smaller version of the same `soak()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import typer
+from pydantic import BaseModel
+
+from profiling.store import TraceStore
+
+PROMPTS = ["The rollout server answers", "Red green blue", "One two three", "The quick brown fox"]
+
+
+class ProcessStats(BaseModel):
+    """Summed over the app's Serve replica processes (rollout replicas and ingress)."""
+
+    processes: int
+    fds: int
+    threads: int
+    rss_mb: float
+
+
+class SoakReport(BaseModel):
+    cycles: int
+    updates: int
+    requests_ok: int
+    requests_failed: int
+    failures: list[str]
+    incomplete_manifests: list[int]
+    stop_p50_ms: float
+    stop_p99_ms: float
+    stats: dict[str, ProcessStats]
+    """'warm' (after warm-up), 'middle', 'end'."""
+    seconds: float
+
+
+def app_process_stats(app_name: str) -> ProcessStats:
+    """fds, threads and RSS of this machine's Serve replica processes of `app_name` (/proc)."""
+    marker = f"ray::ServeReplica:{app_name}:".encode()
+    procs = fds = threads = 0
+    rss_kb = 0
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if not (proc / "cmdline").read_bytes().startswith(marker):
+                continue
+            status = dict(
+                line.split(":", 1) for line in (proc / "status").read_text().splitlines() if ":" in line
+            )
+            fds += len(list((proc / "fd").iterdir()))
+            threads += int(status["Threads"].strip())
+            rss_kb += int(status["VmRSS"].split()[0])
+            procs += 1
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue  # a process that ended while we looked
+    return ProcessStats(processes=procs, fds=fds, threads=threads, rss_mb=rss_kb / 1024)
+
+
+async def _generate_forever(c: httpx.AsyncClient, i: int, stop: asyncio.Event, counts: dict, failures: list[str]) -> None:
+    n = 0
+    while not stop.is_set():
+        body = {"prompt": PROMPTS[(i + n) % len(PROMPTS)], "max_tokens": 8, "seed": n}
+        n += 1
+        try:
+            r = await c.post("/v1/completions", json=body)
+            if r.status_code == 200:
+                counts["ok"] += 1
+                continue
+            failures.append(f"completion {r.status_code}: {r.text[:200]}")
+        except httpx.HTTPError as e:
+            failures.append(f"completion failed: {e!r}")
+        counts["failed"] += 1
+
+
+async def _control(c: httpx.AsyncClient, path: str, body: dict) -> dict:
+    r = await c.post(path, json=body)
+    if r.status_code != 200:
+        raise RuntimeError(f"POST {path} {body}: {r.status_code} {r.text[:300]}")
+    return r.json()
+
+
+async def soak(
+    url: str,
+    app_name: str,
+    save_path: Path,
+    weights_file: Path,
+    weights_dir: Path,
+    *,
+    cycles: int,
+    clients: int = 8,
+    update_every: int = 10,
+    window_s: float = 0.05,
+    warmup_cycles: int = 5,
+    first_step: int = 1,
+    on_cycle=None,
+) -> SoakReport:
+    """Run the soak against a running app; `weights_file` is copied as each new version."""
+    store = TraceStore(save_path)
+    counts = {"ok": 0, "failed": 0}
+    failures: list[str] = []
+    stop_times: list[float] = []
+    stats: dict[str, ProcessStats] = {}
+    done = asyncio.Event()
+    t_start = time.perf_counter()
+    limits = httpx.Limits(max_connections=clients + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=120.0, limits=limits) as c:
+        gens = [asyncio.create_task(_generate_forever(c, i, done, counts, failures)) for i in range(clients)]
+        version, updates = (await c.get("/profile/status")).json()["weight_version"], 0
+        steps = []
+        try:
+            for i in range(warmup_cycles + cycles):
+                if i == warmup_cycles:
+                    stats["warm"] = app_process_stats(app_name)
+                if i == warmup_cycles + cycles // 2:
+                    stats["middle"] = app_process_stats(app_name)
+                step = first_step + i
+                update = (i + 1) % update_every == 0
+                await _control(c, "/profile/start", {"step": step})
+                await asyncio.sleep(window_s)
+                t0 = time.perf_counter()
+                await _control(c, "/profile/stop", {"step": step, "pause": update})
+                if i >= warmup_cycles:
+                    stop_times.append(time.perf_counter() - t0)
+                    steps.append(step)
+                if update:
+                    version += 1
+                    path = weights_dir / f"v{version}.safetensors"
+                    shutil.copyfile(weights_file, path)
+                    await _control(c, "/weights/update", {"version": version, "path": str(path)})
+                    (weights_dir / f"v{version - 1}.safetensors").unlink(missing_ok=True)
+                    updates += 1
+                if on_cycle:
+                    on_cycle(i)
+        finally:
+            done.set()
+            await asyncio.gather(*gens)
+    incomplete = await asyncio.to_thread(_wait_manifests, store, steps)
+    stats["end"] = app_process_stats(app_name)
+    ordered = sorted(stop_times)
+    return SoakReport(
+        cycles=cycles,
+        updates=updates,
+        requests_ok=counts["ok"],
+        requests_failed=counts["failed"],
+        failures=failures[:20],
+        incomplete_manifests=incomplete,
+        stop_p50_ms=statistics.median(ordered) * 1000,
+        stop_p99_ms=ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))] * 1000,
+        stats=stats,
+        seconds=time.perf_counter() - t_start,
+    )
+
+
+def _wait_manifests(store: TraceStore, steps: list[int], timeout_s: float = 300.0) -> list[int]:
+    """Steps whose manifest is not `complete` once every export has settled (or timed out)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        manifests = {k: store.read_manifest(k) for k in steps}
+        settled = all(m is not None and m.status in ("complete", "partial") for m in manifests.values())
+        if settled or time.monotonic() > deadline:
+            return [k for k, m in manifests.items() if m is None or m.status != "complete"]
+        time.sleep(0.5)
+
+
+def main(
+    cycles: int = typer.Option(1000, min=1),
+    clients: int = typer.Option(8, min=1),
+    update_every: int = typer.Option(10, min=1),
+    replicas: int = typer.Option(2, min=1),
+) -> None:
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from serve_app.engines.tiny_model import ensure_tiny_model
+    from serve_app.local import local_cluster, run_app
+
+    console = Console()
+    tmp = Path(tempfile.mkdtemp(prefix="soak-"))
+    model = ensure_tiny_model(cache_dir=tmp / "model")
+    weights_dir = tmp / "weights"
+    weights_dir.mkdir()
+    args = {
+        "num_replicas": replicas,
+        "save_path": str(tmp / "traces"),
+        "weights_dir": str(weights_dir),
+        "model_path": str(model),
+        "min_free_disk_mb": 1,
+    }
+    with local_cluster() as port:
+        url = run_app(port, "soak", args)
+        with Progress(console=console) as progress:
+            task = progress.add_task("soak cycles", total=cycles + 5)
+            report = asyncio.run(
+                soak(
+                    url,
+                    "soak",
+                    tmp / "traces",
+                    model / "model.safetensors",
+                    weights_dir,
+                    cycles=cycles,
+                    clients=clients,
+                    update_every=update_every,
+                    on_cycle=lambda _: progress.advance(task),
+                )
+            )
+    table = Table(title=f"soak: {cycles} cycles, {clients} clients, update every {update_every}")
+    table.add_column("measure")
+    table.add_column("value")
+    table.add_row("failed requests (goal 0)", f"{report.requests_failed} of {report.requests_ok + report.requests_failed}")
+    table.add_row("incomplete manifests (goal 0)", str(len(report.incomplete_manifests)))
+    table.add_row("weight updates", str(report.updates))
+    table.add_row("stop p50 / p99 (ms)", f"{report.stop_p50_ms:.1f} / {report.stop_p99_ms:.1f}")
+    for when, s in report.stats.items():
+        table.add_row(f"{when}: fds / threads / RSS MB ({s.processes} procs)", f"{s.fds} / {s.threads} / {s.rss_mb:.0f}")
+    table.add_row("wall time (s)", f"{report.seconds:.0f}")
+    console.print(table)
+    for f in report.failures:
+        console.print(f"[red]{f}[/red]")
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    typer.run(main)

@@ -1,0 +1,120 @@
+"""What changed between two steps: phases (forward steps, weight updates, the sync's calls,
+profiler overhead, replica skew) and ops by self time per forward step, per role.
+
+Ops are compared per forward step (self time summed over the role's processes, divided by the
+role's forward steps) so that two steps with different numbers of engine steps compare fairly;
+where a role has no forward steps the totals are compared.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+from profiling.analysis.summary import ProcessSummary, StepSummary
+from profiling.manifest import Role
+
+
+class Delta(BaseModel):
+    """One quantity in step a and in step b (milliseconds); `delta_ms` is b - a."""
+
+    name: str
+    role: Role | None = None
+    a_ms: float | None
+    b_ms: float | None
+    delta_ms: float | None = None
+    ratio: float | None = None
+    """b / a (None when a is 0 or either is missing)."""
+
+    @classmethod
+    def of(cls, name: str, a: float | None, b: float | None, role: Role | None = None) -> Delta:
+        delta = None if a is None or b is None else round(b - a, 4)
+        ratio = None if delta is None or not a else round(b / a, 3)
+        return cls(name=name, role=role, a_ms=a, b_ms=b, delta_ms=delta, ratio=ratio)
+
+
+class StepDiff(BaseModel):
+    """`python -m profiling diff DIR --step a --step b --json`."""
+
+    a: int
+    b: int
+    phases: list[Delta] = Field(default_factory=list)
+    ops: list[Delta] = Field(default_factory=list, description="By delta, most slowed-down first.")
+    ops_basis: dict[str, str] = Field(
+        default_factory=dict, description="Per role: 'per forward step' or 'total' (what ops compare)."
+    )
+
+
+def diff_steps(a: StepSummary, b: StepSummary, top: int | None = 20) -> StepDiff:
+    """Compare step `b` against step `a`; `top` limits the op list (None: every op)."""
+    out = StepDiff(a=a.step, b=b.step, phases=_phases(a, b))
+    for role in ("rollout", "trainer"):
+        pa, pb = a.by_role(role), b.by_role(role)
+        if not pa and not pb:
+            continue
+        steps_a, steps_b = _forward_steps(pa), _forward_steps(pb)
+        per_step = bool(steps_a and steps_b)
+        out.ops_basis[role] = "per forward step" if per_step else "total"
+        ops_a = _op_totals(pa, steps_a if per_step else 1)
+        ops_b = _op_totals(pb, steps_b if per_step else 1)
+        for name in ops_a.keys() | ops_b.keys():
+            out.ops.append(
+                Delta.of(name, round(ops_a.get(name, 0.0), 4), round(ops_b.get(name, 0.0), 4), role)
+            )
+    out.ops.sort(key=lambda d: -(d.delta_ms or 0.0))
+    if top is not None:
+        out.ops = out.ops[:top]
+    return out
+
+
+def _forward_steps(processes: list[ProcessSummary]) -> int:
+    return sum(p.forward_steps for p in processes)
+
+
+def _op_totals(processes: list[ProcessSummary], divisor: int) -> dict[str, float]:
+    totals: dict[str, float] = {}
+    for p in processes:
+        for op in p.ops:
+            totals[op.name] = totals.get(op.name, 0.0) + op.self_ms / divisor
+    return totals
+
+
+def _mean(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return round(sum(known) / len(known), 3) if known else None
+
+
+def _max(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return max(known) if known else None
+
+
+def _phases(a: StepSummary, b: StepSummary) -> list[Delta]:
+    rows: list[Delta] = []
+    for role in ("rollout", "trainer"):
+        pa, pb = a.by_role(role), b.by_role(role)
+        if not pa and not pb:
+            continue
+        for name, pick in (
+            ("forward step, mean", lambda ps: _mean([p.forward_mean_ms for p in ps])),
+            ("forward step, slowest process mean", lambda ps: _max([p.forward_mean_ms for p in ps])),
+            ("forward steps, total", lambda ps: round(sum(p.forward_ms for p in ps), 3)),
+            ("weight updates, total", lambda ps: round(sum(p.weight_update_ms for p in ps), 3)),
+            ("profiler finalize, slowest", lambda ps: _max([p.overhead.finalize_ms for p in ps])),
+            ("trace export, slowest", lambda ps: _max([p.overhead.export_ms for p in ps])),
+        ):
+            rows.append(Delta.of(name, pick(pa), pick(pb), role))
+    for name, field in (
+        ("sync: stop", "stop_s"),
+        ("sync: update_weights", "update_s"),
+        ("sync: start", "start_s"),
+    ):
+        va = getattr(a.sync, field) if a.sync else None
+        vb = getattr(b.sync, field) if b.sync else None
+        rows.append(Delta.of(name, _ms(va), _ms(vb)))
+    rows.append(Delta.of("replica start spread", a.skew.start_spread_ms, b.skew.start_spread_ms))
+    rows.append(Delta.of("replica stop spread", a.skew.stop_spread_ms, b.skew.stop_spread_ms))
+    return rows
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 3)

@@ -1,0 +1,86 @@
+"""Streaming access to Chrome trace files (`.json` / `.json.gz`, object or array form).
+
+Events are parsed one at a time with ijson, so reading a trace costs memory for one event, not
+for the file. `sniff` decides from a file's head whether it is a Chrome trace at all.
+"""
+
+from __future__ import annotations
+
+import gzip
+import re
+import zlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import ijson
+
+TRACE_SUFFIXES = (".json", ".json.gz")
+HEAD_BYTES = 256 * 1024
+"""How much of a file `sniff` reads: Kineto writes its header (and `baseTimeNanoseconds`)
+before `traceEvents`, well within this."""
+PROGRESS_EVERY = 20_000
+_BASE_TIME = re.compile(rb'"baseTimeNanoseconds"\s*:\s*(\d+)')
+_TRACE_EVENTS = b'"traceEvents"'
+
+Event = dict[str, Any]
+
+
+class NotATrace(ValueError):
+    """The file is not a Chrome trace this module can read; the message says why."""
+
+
+@dataclass(frozen=True)
+class TraceFormat:
+    """Where a trace's events are and what its header says."""
+
+    events_prefix: str
+    """ijson prefix of the events: `traceEvents.item` (object form) or `item` (array form)."""
+    base_ns: int | None
+    """`baseTimeNanoseconds`: absolute time of `ts == 0` (None: the header has none)."""
+
+
+def open_binary(path: Path) -> BinaryIO:
+    """The file's decompressed bytes (gzip by suffix)."""
+    return gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")
+
+
+def sniff(path: Path) -> TraceFormat:
+    """The trace's format, or NotATrace naming why this file is not one."""
+    if not path.name.endswith(TRACE_SUFFIXES):
+        raise NotATrace("not a .json or .json.gz file")
+    try:
+        with open_binary(path) as f:
+            head = f.read(HEAD_BYTES)
+    except (OSError, EOFError, zlib.error) as e:
+        raise NotATrace(f"unreadable ({e})") from e
+    body = head.lstrip()
+    if body.startswith(b"["):
+        return TraceFormat("item", None)
+    if not body.startswith(b"{"):
+        raise NotATrace("not a JSON object or array")
+    at = body.find(_TRACE_EVENTS)
+    if at < 0:
+        raise NotATrace(f"no traceEvents in its first {HEAD_BYTES // 1024} KiB: not a Chrome trace")
+    base = _BASE_TIME.search(body, 0, at)
+    return TraceFormat("traceEvents.item", int(base.group(1)) if base else None)
+
+
+def iter_events(
+    path: Path, fmt: TraceFormat, on_progress: Callable[[int], None] | None = None
+) -> Iterator[Event]:
+    """Every event of the trace, in file order. `on_progress(n)` is called with the number of
+    on-disk bytes read since its last call (for progress bars)."""
+    with open(path, "rb") as raw:
+        stream: BinaryIO = gzip.GzipFile(fileobj=raw) if path.name.endswith(".gz") else raw
+        reported = 0
+        for i, ev in enumerate(ijson.items(stream, fmt.events_prefix, use_float=True), 1):
+            if isinstance(ev, dict):
+                yield ev
+            if on_progress is not None and i % PROGRESS_EVERY == 0:
+                pos = raw.tell()
+                on_progress(pos - reported)
+                reported = pos
+        if on_progress is not None:
+            on_progress(path.stat().st_size - reported)

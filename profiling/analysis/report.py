@@ -1,0 +1,233 @@
+"""HTML reports: `step_<k>/report.html` per step (summary tables and the timeline picture,
+embedded) and `index.html` over all steps at the save path. Self-contained: no scripts, no
+external fonts or images, nothing fetched over the network."""
+
+from __future__ import annotations
+
+import base64
+import html
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from profiling.analysis.picture import timeline_png
+from profiling.analysis.summary import ProcessSummary, StepSummary, summarize_step
+from profiling.store import MERGED_TRACE, TraceStore, atomic_write_text
+
+REPORT_FILE = "report.html"
+INDEX_FILE = "index.html"
+TOP_OPS = 10
+_CSS = """
+body { font-family: sans-serif; margin: 1.5em; color: #222; }
+table { border-collapse: collapse; margin: 0.5em 0 1.5em; font-size: 13px; }
+th, td { border: 1px solid #ccc; padding: 3px 8px; text-align: right; }
+th { background: #f1f3f5; }
+td.l, th.l { text-align: left; }
+img { max-width: 100%; border: 1px solid #ddd; }
+.note { color: #666; font-size: 13px; }
+.ops { display: flex; flex-wrap: wrap; gap: 0 2em; }
+"""
+
+
+class ReportResult(BaseModel):
+    """What `write_reports` wrote."""
+
+    index: Path
+    pages: dict[int, Path]
+
+
+def write_reports(
+    store: TraceStore,
+    steps: list[int] | None = None,
+    on_step: Callable[[int], None] | None = None,
+) -> ReportResult:
+    """Write `report.html` for `steps` (default: every step) and the index over every step that
+    has a report. `on_step(k)` is called after each step's page."""
+    pages = {}
+    summaries = {}
+    for k in steps if steps is not None else store.steps():
+        summary = summarize_step(store, k)
+        pages[k] = write_step_report(store, summary)
+        summaries[k] = summary
+        if on_step is not None:
+            on_step(k)
+    return ReportResult(index=write_index(store, summaries), pages=pages)
+
+
+def write_step_report(store: TraceStore, summary: StepSummary) -> Path:
+    """`step_<k>/report.html` for `summary`; returns its path."""
+    step_dir = store.step_dir(summary.step)
+    png = base64.b64encode(timeline_png(summary)).decode()
+    merged = step_dir / MERGED_TRACE
+    parts = [
+        f"<h1>Step {summary.step}</h1>",
+        f"<p>window steps {_e(', '.join(map(str, summary.steps)))}; status <b>{_e(summary.status)}</b>; "
+        f"tool {_e(summary.tool)}; recorded {_e(_when(summary.started_at))} to {_e(_when(summary.stopped_at))}. "
+        f'<a href="../{INDEX_FILE}">all steps</a></p>',
+        (
+            f'<p>Merged timeline: <a href="{MERGED_TRACE}">{MERGED_TRACE}</a> (open it in the Perfetto UI).</p>'
+            if merged.is_file()
+            else f'<p class="note">No merged timeline yet: <code>python -m profiling merge {_e(str(store.root))} --step {summary.step}</code></p>'
+        ),
+        f'<img alt="timeline of step {summary.step}" src="data:image/png;base64,{png}">',
+        "<h2>Processes</h2>",
+        _processes_table(summary.processes),
+        "<h2>Across replicas</h2>",
+        _skew_table(summary),
+        "<h2>Weight sync (trainer's control calls)</h2>",
+        _sync_table(summary),
+        f"<h2>Top ops by self time (top {TOP_OPS} per process)</h2>",
+        '<div class="ops">',
+        *[_ops_table(p) for p in summary.processes if p.ops],
+        "</div>",
+        "<h2>Clock alignment</h2>",
+        _alignment_table(summary),
+    ]
+    if summary.skipped:
+        parts += ["<h2>Files not read</h2><ul>", *[f"<li>{_e(s)}</li>" for s in summary.skipped], "</ul>"]
+    path = step_dir / REPORT_FILE
+    atomic_write_text(path, _page(f"step {summary.step}", parts))
+    return path
+
+
+def write_index(store: TraceStore, summaries: dict[int, StepSummary]) -> Path:
+    """`index.html` at the save path: one row per step, linking each step's report."""
+    rows = []
+    for k in store.steps():
+        step_dir = store.step_dir(k)
+        s = summaries.get(k)
+        report = step_dir / REPORT_FILE
+        merged = step_dir / MERGED_TRACE
+        link = f'<a href="step_{k}/{REPORT_FILE}">step {k}</a>' if report.is_file() else f"step {k}"
+        trace = f'<a href="step_{k}/{MERGED_TRACE}">merged trace</a>' if merged.is_file() else "-"
+        if s is None:
+            rows.append(
+                f'<tr><td class="l">{link}</td><td class="l" colspan="5">not summarized</td><td class="l">{trace}</td></tr>'
+            )
+            continue
+        rollout = s.by_role("rollout")
+        sync = "-" if s.sync is None else f"{s.sync.total_s * 1000:.0f}"
+        rows.append(
+            f'<tr><td class="l">{link}</td><td class="l">{_e(s.status)}</td><td>{len(rollout)}</td>'
+            f"<td>{sum(p.forward_steps for p in rollout)}</td><td>{_num(_mean_of(rollout))}</td>"
+            f'<td>{sync}</td><td class="l">{trace}</td></tr>'
+        )
+    parts = [
+        "<h1>Profiled steps</h1>",
+        f'<p class="note">{_e(str(store.root))} — written {_e(_when(time.time()))}</p>',
+        "<table><tr><th class='l'>step</th><th class='l'>status</th><th>replicas</th><th>rollout forward steps</th>"
+        "<th>mean forward step ms</th><th>sync ms</th><th class='l'>timeline</th></tr>",
+        *rows,
+        "</table>",
+    ]
+    path = store.root / INDEX_FILE
+    atomic_write_text(path, _page("profiled steps", parts))
+    return path
+
+
+def _processes_table(processes: list[ProcessSummary]) -> str:
+    head = (
+        "<tr><th class='l'>process</th><th class='l'>status</th><th>weights</th><th>forward steps</th>"
+        "<th>forward ms</th><th>mean ms</th><th>max ms</th><th>weight update ms</th>"
+        "<th>finalize ms</th><th>export ms</th><th>kineto overhead ms</th><th>events</th></tr>"
+    )
+    rows = [
+        f'<tr><td class="l">{_e(p.key)}</td><td class="l">{_e(p.status + (": " + p.error if p.error else ""))}</td>'
+        f"<td>{_e(','.join(f'v{v}' for v in p.weight_versions))}</td><td>{p.forward_steps}</td>"
+        f"<td>{_num(p.forward_ms)}</td><td>{_num(p.forward_mean_ms)}</td><td>{_num(p.forward_max_ms)}</td>"
+        f"<td>{_num(p.weight_update_ms)}</td><td>{_num(p.overhead.finalize_ms)}</td><td>{_num(p.overhead.export_ms)}</td>"
+        f"<td>{_num(p.overhead.kineto_ms)}</td><td>{p.events}</td></tr>"
+        for p in processes
+    ]
+    return "<table>" + head + "".join(rows) + "</table>"
+
+
+def _skew_table(s: StepSummary) -> str:
+    k = s.skew
+    rows = [
+        ("replicas", str(k.replicas)),
+        (
+            "start spread ms (first → last)",
+            f"{_num(k.start_spread_ms)} ({_e(k.first_to_start or '-')} → {_e(k.last_to_start or '-')})",
+        ),
+        (
+            "stop spread ms (first → last)",
+            f"{_num(k.stop_spread_ms)} ({_e(k.first_to_stop or '-')} → {_e(k.last_to_stop or '-')})",
+        ),
+        (
+            "slowest replica (mean forward step ms)",
+            f"{_e(k.slowest_replica or '-')} ({_num(k.slowest_forward_mean_ms)})",
+        ),
+        ("fastest mean forward step ms", _num(k.fastest_forward_mean_ms)),
+    ]
+    return "<table>" + "".join(f'<tr><th class="l">{a}</th><td>{b}</td></tr>' for a, b in rows) + "</table>"
+
+
+def _sync_table(s: StepSummary) -> str:
+    if not s.control:
+        return '<p class="note">No control-call timings for this step (no trainer entry with a sync).</p>'
+    rows = "".join(
+        f'<tr><td class="l">{_e(c.name)}</td><td class="l">{_e(c.caller)}</td><td>{_e(_when(c.start))}</td><td>{c.dur_s * 1000:.1f}</td></tr>'
+        for c in s.control
+    )
+    return (
+        "<table><tr><th class='l'>call</th><th class='l'>by</th><th>sent at</th><th>ms</th></tr>"
+        + rows
+        + "</table>"
+    )
+
+
+def _ops_table(p: ProcessSummary) -> str:
+    rows = "".join(
+        f'<tr><td class="l">{_e(o.name)}</td><td>{o.count}</td><td>{o.self_ms:.3f}</td></tr>'
+        for o in p.ops[:TOP_OPS]
+    )
+    return f"<div><h3>{_e(p.key)}</h3><table><tr><th class='l'>op</th><th>calls</th><th>self ms</th></tr>{rows}</table></div>"
+
+
+def _alignment_table(s: StepSummary) -> str:
+    rows = "".join(
+        f'<tr><td class="l">{_e(a.key)}</td><td class="l">{_e(a.file)}</td><td class="l">{_e(a.source)}</td>'
+        f"<td>{a.offset_ns / 1000:.1f}</td><td>{_num(None if a.uncertainty_ns is None else a.uncertainty_ns / 1000)}</td>"
+        f"<td>{_num(None if a.drift_ns is None else a.drift_ns / 1000)}</td></tr>"
+        for p in s.processes
+        for a in p.alignment
+    )
+    return (
+        "<table><tr><th class='l'>process</th><th class='l'>file</th><th class='l'>source</th><th>offset µs</th>"
+        "<th>± µs</th><th>drift µs</th></tr>" + rows + "</table>"
+        '<p class="note">clock_sync: offset measured from markers bracketed by wall-clock readings; '
+        "baseTimeNanoseconds: the trace's own time taken as wall clock (not measured).</p>"
+    )
+
+
+def _page(title: str, parts: list[str]) -> str:
+    return (
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+        f"<title>{_e(title)}</title><style>{_CSS}</style></head><body>\n"
+        + "\n".join(parts)
+        + "\n</body></html>\n"
+    )
+
+
+def _mean_of(processes: list[ProcessSummary]) -> float | None:
+    means = [p.forward_mean_ms for p in processes if p.forward_mean_ms is not None]
+    return sum(means) / len(means) if means else None
+
+
+def _num(v: float | None) -> str:
+    return "-" if v is None else f"{v:.3f}"
+
+
+def _when(t: float | None) -> str:
+    return (
+        "-"
+        if t is None
+        else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) + f".{int(t % 1 * 1000):03d}"
+    )
+
+
+def _e(text: str) -> str:
+    return html.escape(text, quote=True)

@@ -1,0 +1,514 @@
+"""`python -m profiling`: drive the app's profiling and analyse recorded steps.
+
+\b
+    status --url URL                   the app's profiling state, per replica
+    start  --url URL --step K          start profiling step K on every replica
+    stop   --url URL --step K          stop step K (traces are exported in the background)
+    list DIR                           the steps under a save path
+    summarize DIR [--step K]           per-process and cross-replica summaries
+    merge DIR [--step K]               step_<k>/merged.trace.json.gz (Perfetto)
+    diff DIR --step A --step B         what got slower from step A to step B
+    report DIR [--step K]              step_<k>/report.html and index.html
+
+Exit codes: 0 done; 1 the operation failed (a merge failed, the app refused the call, or a
+replica did not carry it out); 2 bad usage (unknown option, no such directory or step);
+3 the app could not be reached. `--json` prints machine-readable output on stdout; messages
+and progress bars go to stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
+
+import typer
+from pydantic import BaseModel
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+from rich.table import Table
+
+from profiling.analysis.diff import StepDiff, diff_steps
+from profiling.analysis.merge import MergeError, merge_step
+from profiling.analysis.sources import find_inputs, load_manifest
+from profiling.analysis.summary import StepSummary, summarize_step
+from profiling.manifest import MergeRecord
+from profiling.store import MERGED_TRACE, TraceStore
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
+TOKEN_ENV = "ROLLOUT_CONTROL_TOKEN"
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__, rich_markup_mode=None)
+# Piped output is read by people in logs and by scripts (with --json): tables wide, lines unwrapped.
+_WIDTH = None if sys.stdout.isatty() or "COLUMNS" in os.environ else 160
+out = Console(highlight=False, width=_WIDTH)
+err = Console(stderr=True, highlight=False, width=_WIDTH)
+
+Dir = Annotated[Path, typer.Argument(help="A save_path: the directory holding step_<k>/ directories.")]
+Steps = Annotated[
+    list[int] | None, typer.Option("--step", help="A step (repeat for several; default: every step).")
+]
+AsJson = Annotated[bool, typer.Option("--json", help="Print JSON on stdout (for scripts).")]
+Url = Annotated[str, typer.Option(help="The app's base URL, e.g. http://127.0.0.1:8000.")]
+Token = Annotated[
+    str | None,
+    typer.Option(
+        envvar=TOKEN_ENV, help=f"Control token (sent as 'Authorization: Bearer'); also ${TOKEN_ENV}."
+    ),
+]
+Timeout = Annotated[float, typer.Option(help="Seconds to wait for the app's answer.")]
+
+
+def main() -> None:
+    """Entry point of `python -m profiling`."""
+    app()
+
+
+def _fail(code: int, message: str) -> NoReturn:
+    err.print(f"error: {message}", markup=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+def _print_json(data: Any) -> None:
+    if isinstance(data, BaseModel):
+        text = data.model_dump_json(indent=2)
+    elif isinstance(data, list) and all(isinstance(d, BaseModel) for d in data):
+        text = "[" + ",".join(d.model_dump_json(indent=2) for d in data) + "]"
+    else:
+        text = json.dumps(data, indent=2)
+    out.print(text, markup=False, soft_wrap=True)
+
+
+def _store(directory: Path) -> TraceStore:
+    if not directory.is_dir():
+        _fail(
+            EXIT_USAGE,
+            f"{directory} is not a directory; pass the save_path that holds the step_<k>/ directories",
+        )
+    return TraceStore(directory)
+
+
+def _steps(store: TraceStore, steps: list[int] | None) -> list[int]:
+    have = store.steps()
+    if not have:
+        _fail(
+            EXIT_USAGE,
+            f"no step_<k> directories under {store.root}; is this the save_path of a profiled run?",
+        )
+    for k in steps or []:
+        if k not in have:
+            _fail(EXIT_USAGE, f"no step_{k} under {store.root} (steps there: {', '.join(map(str, have))})")
+    return list(dict.fromkeys(steps)) if steps else have
+
+
+@contextmanager
+def _byte_progress(
+    label: str, store: TraceStore, steps: list[int], quiet: bool
+) -> Iterator[Callable[[int], None]]:
+    """A bar over the on-disk size of the steps' trace files; yields its advance function."""
+    total = 0
+    for k in steps:
+        inputs, _ = find_inputs(store.step_dir(k), load_manifest(store, k))
+        total += sum(i.size for i in inputs)
+    columns = (TextColumn(label), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=err, transient=True, disable=quiet or not err.is_terminal) as progress:
+        task = progress.add_task(label, total=total)
+        yield lambda n: progress.advance(task, n)
+
+
+# -- steps on disk --------------------------------------------------------------------------------
+
+
+@app.command("list")
+def list_steps(directory: Dir, as_json: AsJson = False) -> None:
+    """The steps under DIR: status, processes, forward steps, size, merged timeline and report."""
+    store = _store(directory)
+    rows = []
+    for k in store.steps():
+        m = load_manifest(store, k)
+        merge = m.merge or store.read_merge(k)
+        step_dir = store.step_dir(k)
+        rows.append(
+            {
+                "step": k,
+                "steps": m.steps,
+                "status": m.status,
+                "rollout": sum(e.role == "rollout" for e in m.entries),
+                "trainer": sum(e.role == "trainer" for e in m.entries),
+                "forward_steps": sum(e.forward_steps for e in m.entries if e.role == "rollout"),
+                "bytes": sum(e.bytes for e in m.entries),
+                "merged": None if merge is None else merge.status,
+                "merged_trace": str(step_dir / MERGED_TRACE) if (step_dir / MERGED_TRACE).is_file() else None,
+                "report": (step_dir / "report.html").is_file(),
+            }
+        )
+    if as_json:
+        _print_json(rows)
+        return
+    if not rows:
+        err.print(f"no steps under {store.root}", markup=False)
+        return
+    table = Table(title=f"steps under {store.root}")
+    for col in (
+        "step",
+        "window",
+        "status",
+        "replicas",
+        "trainer ranks",
+        "rollout fwd steps",
+        "MB",
+        "merged",
+        "report",
+    ):
+        table.add_column(col, justify="left" if col in ("status", "merged") else "right")
+    for r in rows:
+        table.add_row(
+            str(r["step"]),
+            ",".join(map(str, r["steps"])),
+            r["status"],
+            str(r["rollout"]),
+            str(r["trainer"]),
+            str(r["forward_steps"]),
+            f"{r['bytes'] / 2**20:.1f}",
+            r["merged"] or "-",
+            "yes" if r["report"] else "-",
+        )
+    out.print(table)
+
+
+@app.command()
+def summarize(
+    directory: Dir,
+    step: Steps = None,
+    top: Annotated[int, typer.Option(help="Ops shown per process.")] = 5,
+    as_json: AsJson = False,
+) -> None:
+    """Per process: forward steps, top ops by self time, weight updates, overhead; across
+    replicas: start/stop spread and the slowest replica. JSON: a list of step summaries."""
+    store = _store(directory)
+    steps = _steps(store, step)
+    with _byte_progress("summarizing", store, steps, as_json) as advance:
+        summaries = [summarize_step(store, k, advance) for k in steps]
+    if as_json:
+        _print_json(summaries)
+        return
+    for s in summaries:
+        _print_summary(s, top)
+
+
+@app.command()
+def merge(
+    directory: Dir,
+    step: Steps = None,
+    as_json: AsJson = False,
+    auto: Annotated[
+        bool,
+        typer.Option("--auto", hidden=True, help="Background merge: settled steps only, if stale, quietly."),
+    ] = False,
+) -> None:
+    """Merge each step's traces into step_<k>/merged.trace.json.gz: one Perfetto timeline of the
+    trainer and every replica, clocks aligned. JSON: a list of merge records."""
+    store = _store(directory)
+    steps = _steps(store, step)
+    if auto:
+        _auto_merge(store, steps)
+        return
+    records, failed = [], []
+    with _byte_progress("merging", store, steps, as_json) as advance:
+        for k in steps:
+            try:
+                record = merge_step(store, k, on_progress=advance)
+            except MergeError as e:
+                failed.append(str(e))
+                continue
+            assert record is not None
+            records.append(record)
+            if not as_json:
+                _print_merge(store, k, record)
+    if as_json:
+        _print_json(records)
+    if failed:
+        _fail(EXIT_FAILED, "; ".join(failed))
+
+
+def _auto_merge(store: TraceStore, steps: list[int]) -> None:
+    os.nice(10)  # below the producers: a background merge must not slow a training or serving step
+    failed = []
+    for k in steps:
+        if load_manifest(store, k).status not in ("complete", "partial"):
+            continue  # still recording or exporting: the refresh that settles it merges again
+        try:
+            merge_step(store, k, only_if_stale=True)
+        except MergeError as e:
+            failed.append(str(e))
+    if failed:
+        _fail(EXIT_FAILED, "; ".join(failed))
+
+
+@app.command()
+def diff(
+    directory: Dir,
+    step: Annotated[list[int], typer.Option("--step", help="Give exactly two: --step A --step B.")],
+    top: Annotated[int, typer.Option(help="Ops listed.")] = 15,
+    as_json: AsJson = False,
+) -> None:
+    """What changed from step A to step B: phases and ops by self time per forward step."""
+    if len(step) != 2:
+        _fail(EXIT_USAGE, f"diff needs exactly two steps (--step A --step B), got {len(step)}")
+    if step[0] == step[1]:
+        _fail(EXIT_USAGE, f"--step A and --step B are both {step[0]}; give two different steps")
+    store = _store(directory)
+    a, b = _steps(store, step)
+    with _byte_progress("summarizing", store, [a, b], as_json) as advance:
+        result = diff_steps(summarize_step(store, a, advance), summarize_step(store, b, advance), top=top)
+    if as_json:
+        _print_json(result)
+        return
+    _print_diff(result)
+
+
+@app.command()
+def report(directory: Dir, step: Steps = None) -> None:
+    """Write step_<k>/report.html (tables and a timeline picture, self-contained) and an
+    index.html over all steps."""
+    from profiling.analysis.report import (
+        write_reports,  # matplotlib: slow to import, only needed here
+    )
+
+    store = _store(directory)
+    steps = _steps(store, step)
+    columns = (TextColumn("reports"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"))
+    with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as progress:
+        task = progress.add_task("reports", total=len(steps))
+        result = write_reports(store, steps, on_step=lambda _: progress.advance(task))
+    for k, page in result.pages.items():
+        out.print(f"step {k}: {page}", markup=False)
+    out.print(f"index: {result.index}", markup=False)
+
+
+# -- the app ---------------------------------------------------------------------------------------
+
+
+def _call(
+    url: str, token: str | None, timeout: float, method: str, path: str, body: dict | None = None
+) -> dict:
+    """One HTTP call to the app; exits 3 if it cannot be reached and 1 if it refuses."""
+    import httpx  # lazily: the analysis commands never need HTTP
+
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    try:
+        resp = httpx.request(method, url.rstrip("/") + path, json=body, headers=headers, timeout=timeout)
+    except httpx.TransportError as e:
+        _fail(
+            EXIT_UNREACHABLE,
+            f"cannot reach the app at {url} ({e!r}); check --url and that the app is running",
+        )
+    try:
+        data = resp.json()
+    except ValueError:
+        data = {"detail": resp.text}
+    if resp.status_code >= 400:
+        detail = data.get("detail") if isinstance(data, dict) else data
+        hint = f" (pass --token or set ${TOKEN_ENV})" if resp.status_code == 401 else ""
+        failed = (
+            [
+                f"{r.get('replica_id')}: {r.get('error')}"
+                for r in data.get("replicas", [])
+                if not r.get("ok", True)
+            ]
+            if isinstance(data, dict)
+            else []
+        )
+        _fail(
+            EXIT_FAILED,
+            f"{method} {path} -> {resp.status_code}: {detail}{hint}"
+            + (f" [{'; '.join(failed)}]" if failed else ""),
+        )
+    return data
+
+
+def _replicas_done(data: dict, as_json: bool, title: str) -> None:
+    """Print the per-replica answers; exit 1 if any replica did not carry the call out."""
+    replicas = data.get("replicas", [])
+    if as_json:
+        _print_json(data)
+    else:
+        table = Table(title=title)
+        for col in ("replica", "ok", "state", "step", "weights", "fwd steps", "error"):
+            table.add_column(col)
+        for r in replicas:
+            table.add_row(
+                str(r.get("replica_id")),
+                "yes" if r.get("ok") else "NO",
+                str(r.get("state") or "-"),
+                str(r.get("active_step") or "-"),
+                str(r.get("weight_version")),
+                str(r.get("forward_steps") or 0),
+                str(r.get("error") or ""),
+            )
+        out.print(table)
+    bad = [r.get("replica_id") for r in replicas if not r.get("ok", True)]
+    if bad:
+        _fail(EXIT_FAILED, f"{len(bad)} replica(s) did not carry it out: {', '.join(map(str, bad))}")
+
+
+@app.command()
+def status(url: Url, token: Token = None, timeout: Timeout = 30.0, as_json: AsJson = False) -> None:
+    """GET /profile/status: the active step (or idle), weight version, and each replica's state."""
+    data = _call(url, token, timeout, "GET", "/profile/status")
+    title = f"{data.get('state')} (step {data.get('active_step')}, weights v{data.get('weight_version')}, paused {data.get('paused')})"
+    _replicas_done(data, as_json, title)
+
+
+@app.command()
+def start(
+    url: Url,
+    step: Annotated[int, typer.Option(min=1, help="The step to profile (generation on weights step-1).")],
+    token: Token = None,
+    tag: Annotated[str | None, typer.Option(help="A label for the window ([A-Za-z0-9._-]{1,64}).")] = None,
+    max_forward_steps: Annotated[
+        int | None, typer.Option(min=1, help="Cap the recording at this many engine steps.")
+    ] = None,
+    max_duration_s: Annotated[
+        float | None, typer.Option(min=0.001, help="Cap the recording at this many seconds.")
+    ] = None,
+    timeout: Timeout = 60.0,
+    as_json: AsJson = False,
+) -> None:
+    """POST /profile/start: start profiling STEP on every replica."""
+    body = {
+        "step": step,
+        "tag": tag,
+        "max_forward_steps": max_forward_steps,
+        "max_duration_s": max_duration_s,
+    }
+    data = _call(
+        url, token, timeout, "POST", "/profile/start", {k: v for k, v in body.items() if v is not None}
+    )
+    _replicas_done(data, as_json, f"step {data.get('step')}: {data.get('state')}")
+
+
+@app.command()
+def stop(
+    url: Url,
+    step: Annotated[int, typer.Option(min=1, help="The step being profiled.")],
+    token: Token = None,
+    timeout: Timeout = 60.0,
+    as_json: AsJson = False,
+) -> None:
+    """POST /profile/stop: stop STEP; traces are exported in the background (see `list`)."""
+    data = _call(url, token, timeout, "POST", "/profile/stop", {"step": step})
+    if not data.get("stopped") and not as_json:
+        out.print("nothing was being profiled", markup=False)
+        return
+    _replicas_done(data, as_json, f"step {data.get('step')}: stopped")
+    if not as_json and data.get("manifest"):
+        out.print(f"manifest: {data['manifest']}", markup=False)
+
+
+# -- printing --------------------------------------------------------------------------------------
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def _print_summary(s: StepSummary, top: int) -> None:
+    table = Table(title=f"step {s.step} ({s.status}): processes")
+    for col in (
+        "process",
+        "weights",
+        "fwd steps",
+        "fwd ms",
+        "mean ms",
+        "max ms",
+        "weight upd ms",
+        "finalize ms",
+        "export ms",
+        "clock",
+    ):
+        table.add_column(col, justify="left" if col in ("process", "clock") else "right")
+    for p in s.processes:
+        table.add_row(
+            p.key + ("" if p.status == "ok" else f" [{p.status}]"),
+            ",".join(f"v{v}" for v in p.weight_versions),
+            str(p.forward_steps),
+            _ms(p.forward_ms),
+            _ms(p.forward_mean_ms),
+            _ms(p.forward_max_ms),
+            _ms(p.weight_update_ms),
+            _ms(p.overhead.finalize_ms),
+            _ms(p.overhead.export_ms),
+            ",".join(a.source for a in p.alignment) or "-",
+        )
+    out.print(table)
+    k = s.skew
+    out.print(
+        f"replicas {k.replicas}: start spread {_ms(k.start_spread_ms)} ms, stop spread {_ms(k.stop_spread_ms)} ms, "
+        f"slowest {k.slowest_replica or '-'} ({_ms(k.slowest_forward_mean_ms)} ms/forward step)",
+        markup=False,
+    )
+    if s.control:
+        out.print("sync: " + ", ".join(f"{c.name} {c.dur_s * 1000:.1f} ms" for c in s.control), markup=False)
+    ops = Table(title=f"step {s.step}: top {top} ops by self time")
+    for col in ("process", "op", "calls", "self ms"):
+        ops.add_column(col, justify="left" if col in ("process", "op") else "right")
+    for p in s.processes:
+        for o in p.ops[:top]:
+            ops.add_row(p.key, o.name, str(o.count), f"{o.self_ms:.3f}")
+    out.print(ops)
+    for note in s.skipped:
+        err.print(f"skipped {note}", markup=False)
+
+
+def _print_merge(store: TraceStore, k: int, r: MergeRecord) -> None:
+    sources = ", ".join(sorted({f"{a.key}: {a.source}" for a in r.processes}))
+    out.print(
+        f"step {k}: {r.events} events from {len(r.processes)} trace file(s), {r.bytes_in / 2**20:.1f} MB -> "
+        f"{r.bytes_out / 2**20:.1f} MB in {r.duration_s:.1f} s: {store.step_dir(k) / MERGED_TRACE}",
+        markup=False,
+    )
+    out.print(f"  clocks: {sources or '-'}", markup=False)
+    for note in r.skipped:
+        err.print(f"  skipped {note}", markup=False)
+
+
+def _print_diff(d: StepDiff) -> None:
+    phases = Table(title=f"step {d.a} -> step {d.b}: phases (ms)")
+    for col in ("role", "phase", f"step {d.a}", f"step {d.b}", "delta", "ratio"):
+        phases.add_column(col, justify="left" if col in ("role", "phase") else "right")
+    for row in d.phases:
+        phases.add_row(
+            row.role or "-",
+            row.name,
+            _ms(row.a_ms),
+            _ms(row.b_ms),
+            _ms(row.delta_ms),
+            "-" if row.ratio is None else f"{row.ratio:.2f}x",
+        )
+    out.print(phases)
+    basis = ", ".join(f"{role}: {b}" for role, b in d.ops_basis.items())
+    ops = Table(title=f"ops by self time, most slowed-down first ({basis}; ms)")
+    for col in ("role", "op", f"step {d.a}", f"step {d.b}", "delta", "ratio"):
+        ops.add_column(col, justify="left" if col in ("role", "op") else "right")
+    for row in d.ops:
+        ops.add_row(
+            row.role or "-",
+            row.name,
+            f"{row.a_ms:.4f}",
+            f"{row.b_ms:.4f}",
+            f"{row.delta_ms:+.4f}",
+            "-" if row.ratio is None else f"{row.ratio:.2f}x",
+        )
+    out.print(ops)

@@ -1,0 +1,226 @@
+"""SGLang's native HTTP API as the SGLang engine uses it: request/response bodies and one client.
+
+Field names, routes and answers follow SGLang 0.5.x (`sglang/srt/entrypoints/http_server.py`,
+`sglang/srt/managers/io_struct.py`; see docs/sglang_notes.md for the exact sources). SGLang's
+request structs ignore unknown fields, so a misspelt field would silently do nothing: the bodies
+we send are strict pydantic models (`extra="forbid"`), and the fake server in tests/ can reject
+unknown fields outright.
+
+Errors: every failed call raises `SglangError`, whose message names the server URL, the route,
+the HTTP status and SGLang's own message. A profiler start/stop that SGLang refuses surfaces as a
+bare HTTP 500 "Internal Server Error" (the route lets the RuntimeError escape; the reason is only
+in the server's log), so the client appends the server log's last lines when it has them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal, TypeVar
+
+import httpx
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class _Request(BaseModel):
+    """A body we send: unknown keys are our bug, not something for SGLang to ignore."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class _Answer(BaseModel):
+    """A body SGLang sends: it carries more than we read."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
+class StartProfileBody(_Request):
+    """`POST /start_profile` (ProfileReqInput / ProfileReq). SGLang names the trace files
+    `{profile_prefix}-{profile_id}-TP-{tp}[-DP-..][-PP-..][-EP-..].trace.json.gz` in `output_dir`;
+    `profile_id` is left to SGLang (its time), older 0.5.x servers do not accept it over HTTP."""
+
+    output_dir: str
+    profile_prefix: str
+    activities: list[str] = Field(min_length=1)
+    num_steps: int | None = Field(None, ge=1, description="Auto-stop after this many engine steps.")
+    # Both default to on in SGLang when absent: always send them.
+    with_stack: bool
+    record_shapes: bool
+
+
+class UpdateWeightsFromDiskBody(_Request):
+    """`POST /update_weights_from_disk` (UpdateWeightFromDiskReqInput)."""
+
+    model_path: str
+    weight_version: str
+    flush_cache: bool = True
+
+
+class UpdateWeightsFromDiskAnswer(_Answer):
+    success: bool
+    message: str
+    num_paused_requests: int | None = 0
+
+
+class PauseGenerationBody(_Request):
+    """`POST /pause_generation` (PauseGenerationReqInput). `retract`: running requests go back
+    to the queue and keep their tokens; their KV cache is dropped and recomputed after
+    `/continue_generation`, which is what lets a weight update flush the cache. `in_place` keeps
+    the KV cache, and a cache flush with requests running then fails an assertion that kills
+    SGLang's scheduler. `abort` ends every request."""
+
+    mode: Literal["abort", "retract", "in_place"]
+
+
+class ContinueGenerationBody(_Request):
+    """`POST /continue_generation` (ContinueGenerationReqInput; newer versions add
+    `torch_empty_cache`, default true)."""
+
+
+class SamplingParams(_Request):
+    """The `sampling_params` of `/generate` that we set (SGLang's SamplingParams keywords)."""
+
+    max_new_tokens: int = Field(ge=1)
+    temperature: float = Field(ge=0.0)
+    sampling_seed: int | None = None
+
+
+class GenerateBody(_Request):
+    """`POST /generate` (GenerateReqInput) for one prompt given as token ids."""
+
+    input_ids: list[int] = Field(min_length=1)
+    sampling_params: SamplingParams
+    return_logprob: bool = True
+
+
+class FinishReason(_Answer):
+    """`meta_info.finish_reason`: {"type": "length", "length": n}, {"type": "stop",
+    "matched": ...} or {"type": "abort", "message": ...}."""
+
+    type: str
+    message: str | None = None
+
+
+class GenerateMetaInfo(_Answer):
+    finish_reason: FinishReason | None = None
+    weight_version: str | None = None
+    """The server's `weight_version` when the answer was built (SGLang's default is "default")."""
+    output_token_logprobs: list[tuple[float, int, str | None]] = Field(default_factory=list)
+    """One (logprob, token id, text or null) per generated token when `return_logprob` is set."""
+
+
+class GenerateAnswer(_Answer):
+    output_ids: list[int]
+    meta_info: GenerateMetaInfo
+
+
+class SglangError(RuntimeError):
+    """A call to an SGLang server failed; the message says where, what, and SGLang's reason."""
+
+    def __init__(self, message: str, *, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
+
+def _detail(resp: httpx.Response) -> str:
+    """SGLang's own message out of any of its error shapes."""
+    try:
+        data = resp.json()
+    except ValueError:
+        return resp.text.strip() or resp.reason_phrase
+    if isinstance(data, dict):
+        error = data.get("error")
+        if isinstance(error, dict) and "message" in error:  # /generate's {"error": {"message"}}
+            return str(error["message"])
+        for key in ("message", "detail"):  # ErrorResponse / {success, message} / HTTPException
+            if key in data:
+                return str(data[key])
+    return resp.text.strip()
+
+
+class SglangClient:
+    """One SGLang server's native API over one `httpx.AsyncClient`.
+
+    `log_tail` returns the last lines of the server's log when this replica launched the
+    server (the only place SGLang says why a profiler call failed)."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout_s: float,
+        log_tail: Callable[[], str] | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ):
+        self.url = url.rstrip("/")
+        self._log_tail = log_tail
+        self._http = httpx.AsyncClient(base_url=self.url, timeout=timeout_s, transport=transport)
+        self.unreachable: str | None = None
+        """Why the last call could not reach the server (None once a call got an answer)."""
+
+    async def call(
+        self, route: str, body: BaseModel | None = None, *, accept: tuple[int, ...] = (), own_connection: bool = False
+    ) -> httpx.Response:
+        """POST `body` to `route`; the response if its status is 2xx or in `accept`.
+
+        `own_connection`: use a connection for this call alone. After an exception escapes a
+        route (a refused profiler call), uvicorn answers 500 and then closes the connection;
+        a pooled connection reused in that moment fails the next, unrelated call."""
+        payload = None if body is None else body.model_dump(exclude_none=True)
+        headers = {"Connection": "close"} if own_connection else None
+        try:
+            resp = await self._http.post(route, json=payload, headers=headers)
+        except httpx.HTTPError as e:
+            self.unreachable = f"{type(e).__name__}: {e}"
+            raise SglangError(
+                f"SGLang at {self.url} did not answer POST {route} ({self.unreachable}); "
+                "is the server running and reachable from this replica?"
+            ) from e
+        self.unreachable = None
+        if resp.is_success or resp.status_code in accept:
+            return resp
+        raise SglangError(self.describe(route, resp), status=resp.status_code)
+
+    async def call_for(self, route: str, body: BaseModel | None, answer: type[M], *, accept: tuple[int, ...] = ()) -> M:
+        """`call`, then parse the JSON answer as `answer`."""
+        resp = await self.call(route, body, accept=accept)
+        try:
+            return answer.model_validate_json(resp.content)
+        except ValidationError as e:
+            if not resp.is_success:  # an accepted error status in another of SGLang's shapes
+                raise SglangError(self.describe(route, resp), status=resp.status_code) from e
+            raise SglangError(
+                f"SGLang at {self.url} answered POST {route} with HTTP {resp.status_code} and a body this "
+                f"adapter cannot read ({e.error_count()} problems: {e.errors()[0]['msg']}): {resp.text[:300]!r}; "
+                "is the server an SGLang 0.5.x?",
+                status=resp.status_code,
+            ) from e
+
+    def describe(self, route: str, resp: httpx.Response) -> str:
+        """The error message for an unexpected answer, with the server log's tail on a 500."""
+        message = f"SGLang at {self.url} answered POST {route} with HTTP {resp.status_code}: {_detail(resp)}"
+        if resp.status_code >= 500:
+            tail = self.log_tail()
+            message += (
+                f"; SGLang logs the reason; last server log lines:\n{tail}"
+                if tail
+                else "; SGLang logs the reason in its server log"
+            )
+        return message
+
+    async def probe(self) -> None:
+        """Check that the server answers again after `unreachable` was set. `GET /get_model_info`
+        needs no engine step (`/health` runs a generation and hangs while generation is paused)."""
+        try:
+            resp = await self._http.get("/get_model_info")
+        except httpx.HTTPError as e:
+            self.unreachable = f"{type(e).__name__}: {e}"
+            return
+        self.unreachable = None if resp.is_success else f"GET /get_model_info answered HTTP {resp.status_code}"
+
+    def log_tail(self) -> str:
+        return self._log_tail() if self._log_tail else ""
+
+    async def aclose(self) -> None:
+        await self._http.aclose()

@@ -1,0 +1,34 @@
+"""The Hugging Face tokenizer of the served model directory, shared by every engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class HfTokenizerMixin:
+    """`tokenize`/`detokenize`/`token_strings` of `RolloutEngine` from the model directory's own
+    tokenizer, and the prompt check every engine does before generating."""
+
+    def _load_tokenizer(self, model_dir: Path) -> None:
+        from transformers import AutoTokenizer
+
+        self._tokenizer = AutoTokenizer.from_pretrained(model_dir)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._tokenizer)
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._tokenizer(text).input_ids
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        return self._tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def token_strings(self, token_ids: list[int]) -> list[str]:
+        return [self._tokenizer.decode([t]) for t in token_ids]
+
+    def check_prompt(self, token_ids: list[int]) -> None:
+        """ValueError (a 422 for the caller) naming ids the model cannot embed."""
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")

@@ -1,0 +1,328 @@
+"""A FAKE SGLang server for tests: NOT SGLang. SGLang needs CUDA; this runs on CPU.
+
+Run it as SGLang is run: `python tests/fakes/fake_sglang_server.py --model-path DIR --host H
+--port P` (other arguments are ignored, and logged). It serves the native routes the SGLang engine
+adapter uses, with SGLang 0.5.x's paths, methods, request fields, status codes, answer bodies and
+messages (sources: `sglang/srt/entrypoints/http_server.py`, `sglang/srt/managers/io_struct.py`,
+`tokenizer_manager.py`, `scheduler_components/profiler_manager.py`; docs/sglang_notes.md lists
+them):
+
+* `GET /health`, `/health_generate`: 503 until the startup warmup request has finished, then 200;
+* `GET /model_info`, `/get_model_info`: model path and the current `weight_version`;
+* `POST|PUT /generate`: one prompt (`text` or `input_ids`), `sampling_params` (an unknown key is
+  a TypeError: HTTP 500, as in SGLang), `return_logprob`; answers `{text, output_ids, meta_info}`
+  with `finish_reason`, `weight_version` and `output_token_logprobs` as (logprob, id, null);
+  input errors are HTTP 400 `{"error": {"message"}}`; requests wait while generation is paused;
+* `GET|POST /start_profile` and `/stop_profile`: plain-text 200 answers; a refusal ("Profiling is
+  already in progress. Call /stop_profile first.", "Profiling is not in progress. Call
+  /start_profile first.") escapes the route as a RuntimeError, i.e. a bare HTTP 500 "Internal
+  Server Error" with the message only in the server log; traces are real torch.profiler Chrome
+  traces named `[{profile_prefix}-]{profile_id}-TP-0.trace.json.gz` in `output_dir`; `num_steps`
+  auto-stops before the engine step after the last one;
+* `POST /update_weights_from_disk`: loads every safetensors file of `model_path` between batches,
+  answers `{success, message, num_paused_requests}` (400 when not loaded, the old weights keep
+  serving), sets `weight_version`; with `flush_cache` and requests still running (no pause, or an
+  `in_place` pause) the scheduler exits, as SGLang's failed cache-flush assertion makes it;
+* `POST /pause_generation {"mode": "abort"|"retract"|"in_place"}`, `POST /continue_generation`.
+
+Malformed bodies are HTTP 400 with SGLang's ErrorResponse shape. SGLang ignores unknown body
+fields; so does this fake, logging a warning, unless started with the fake-only flag
+`--fake-strict-fields`, which rejects them with a 400 naming the field (tests use it to catch a
+misspelt field in the adapter). Not faithful: see the scheduler module's docstring, and no
+streaming, no batch requests, no other routes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from collections.abc import Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, Literal
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict
+
+if __package__ in (None, ""):  # run as a script: make the `fakes` package importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fakes.fake_sglang_scheduler import ProfileReq, SamplingParams, Scheduler
+
+log = logging.getLogger("fake_sglang")
+
+WARMUP_INPUT_IDS = [10, 11, 12]
+
+
+class _Lenient(BaseModel):
+    """SGLang's request structs: unknown fields are accepted (and ignored)."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class GenerateReqInput(_Lenient):
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    return_logprob: bool | list[bool] | None = None
+    logprob_start_len: int | list[int] | None = None
+    top_logprobs_num: int | list[int] | None = None
+    stream: bool = False
+    rid: str | list[str] | None = None
+
+
+class ProfileReqInput(_Lenient):
+    output_dir: str | None = None
+    start_step: int | None = None
+    num_steps: int | None = None
+    activities: list[str] | None = None
+    profile_by_stage: bool = False
+    with_stack: bool | None = None
+    record_shapes: bool | None = None
+    profile_id: str | None = None
+    merge_profiles: bool = False
+    profile_prefix: str | None = None
+    profile_stages: list[str] | None = None
+
+
+class UpdateWeightFromDiskReqInput(_Lenient):
+    model_path: str
+    load_format: str | None = None
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    is_async: bool = False
+    torch_empty_cache: bool = False
+    keep_pause: bool = False
+    recapture_cuda_graph: bool = False
+    token_step: int = 0
+    flush_cache: bool = True
+    manifest: dict[str, Any] | None = None
+
+
+class PauseGenerationReqInput(_Lenient):
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+class ContinueGenerationReqInput(_Lenient):
+    torch_empty_cache: bool = True
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    value = os.getenv(name)
+    return default if value is None else value.strip().lower() in ("1", "true", "yes", "on")
+
+
+def _bad_request(message: str) -> JSONResponse:
+    """`/generate`'s error answer for a ValueError (`_create_error_response`)."""
+    return JSONResponse({"error": {"message": message}}, status_code=400)
+
+
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    """SGLang turns FastAPI's 422 into 400 with its ErrorResponse body."""
+    exc_str, errors_str = str(exc), str(exc.errors())
+    message = f"{exc_str} {errors_str}" if errors_str and errors_str != exc_str else exc_str
+    body = {"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400}
+    return JSONResponse(body, status_code=400)
+
+
+class FakeSglangServer:
+    """The HTTP side: SGLang's tokenizer-manager duties (pause gate, defaults) over a Scheduler."""
+
+    def __init__(self, scheduler: Scheduler, *, strict_fields: bool):
+        self.scheduler = scheduler
+        self.strict_fields = strict_fields
+        self.up = False
+        self.is_pause = False
+        self.pause_cond = asyncio.Condition()
+
+    def check_fields(self, obj: BaseModel, route: str) -> None:
+        extra = obj.model_extra or {}
+        if not extra:
+            return
+        if self.strict_fields:
+            raise RequestValidationError(
+                [
+                    {
+                        "type": "extra_forbidden",
+                        "loc": ("body", name),
+                        "msg": "Extra inputs are not permitted (fake server started with --fake-strict-fields; "
+                        "SGLang itself ignores unknown fields)",
+                        "input": value,
+                    }
+                    for name, value in extra.items()
+                ]
+            )
+        log.warning("%s: ignoring unknown fields %s (as SGLang does)", route, sorted(extra))
+
+    async def run(self, input_ids: list[int], params: SamplingParams, return_logprob: bool, rid: str | None) -> dict:
+        """Submit one request and wait for its answer."""
+        loop = asyncio.get_running_loop()
+        answer: asyncio.Future[dict] = loop.create_future()
+
+        def done(result: dict) -> None:
+            loop.call_soon_threadsafe(lambda: answer.done() or answer.set_result(result))
+
+        self.scheduler.submit(self.scheduler.new_request(input_ids, params, return_logprob, rid, done))
+        return await answer
+
+    async def warmup(self) -> None:
+        """SGLang's `_wait_and_warmup`: one small generation, then the server reports healthy."""
+        await self.run(WARMUP_INPUT_IDS, SamplingParams(max_new_tokens=1, temperature=0.0), False, None)
+        self.up = True
+        log.info("The server is fired up and ready to roll!")
+
+    async def control(self, fn: Callable[[], Any]) -> Any:
+        return await self.scheduler.control(fn)
+
+
+def build_app(scheduler: Scheduler, *, strict_fields: bool = False) -> FastAPI:
+    """The fake server's FastAPI app around a running `scheduler` (shut down with the app)."""
+    server = FakeSglangServer(scheduler, strict_fields=strict_fields)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        warmup = asyncio.create_task(server.warmup())
+        try:
+            yield
+        finally:
+            warmup.cancel()
+            scheduler.shutdown()
+
+    app = FastAPI(lifespan=lifespan, title="FAKE SGLang server (tests)")
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.state.fake = server
+
+    @app.get("/health")
+    @app.get("/health_generate")
+    async def health() -> Response:
+        return Response(status_code=200 if server.up else 503)
+
+    @app.get("/model_info")
+    @app.get("/get_model_info")
+    async def model_info() -> dict:
+        return {
+            "model_path": str(scheduler.model_path),
+            "tokenizer_path": str(scheduler.model_path),
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": scheduler.weight_version,
+        }
+
+    @app.api_route("/generate", methods=["POST", "PUT"])
+    async def generate(obj: GenerateReqInput):
+        server.check_fields(obj, "/generate")
+        if obj.text is None and obj.input_ids is None:
+            return _bad_request("Either text, input_ids or input_embeds should be provided.")
+        if obj.input_ids is not None and len(obj.input_ids) == 0:
+            return _bad_request("input_ids cannot be empty.")
+        batched = (
+            isinstance(obj.text, list)
+            or (obj.input_ids is not None and isinstance(obj.input_ids[0], list))
+            or isinstance(obj.sampling_params, list)
+        )
+        if batched or obj.stream:
+            return _bad_request("fake SGLang server: batch and streaming requests are not implemented")
+        async with server.pause_cond:
+            await server.pause_cond.wait_for(lambda: not server.is_pause)
+        input_ids = obj.input_ids if obj.input_ids is not None else scheduler.tokenizer(obj.text).input_ids
+        params = SamplingParams(**(obj.sampling_params or {}))  # an unknown key: TypeError, HTTP 500
+        try:
+            return await server.run(input_ids, params, bool(obj.return_logprob), obj.rid)
+        except ValueError as e:
+            log.error("[http_server] Error: %s", e)
+            return _bad_request(str(e))
+
+    @app.api_route("/start_profile", methods=["GET", "POST"])
+    async def start_profile(obj: ProfileReqInput | None = None) -> Response:
+        obj = obj or ProfileReqInput()
+        server.check_fields(obj, "/start_profile")
+        # TokenizerManager.start_profile's defaults: stack and shapes on unless set to false.
+        req = ProfileReq(
+            output_dir=obj.output_dir,
+            start_step=obj.start_step,
+            num_steps=obj.num_steps,
+            activities=obj.activities,
+            profile_by_stage=obj.profile_by_stage,
+            with_stack=not (obj.with_stack is False or not _env_flag("SGLANG_PROFILE_WITH_STACK", True)),
+            record_shapes=obj.record_shapes is not False and _env_flag("SGLANG_PROFILE_RECORD_SHAPES", True),
+            profile_id=obj.profile_id,
+            merge_profiles=obj.merge_profiles,
+            profile_prefix=obj.profile_prefix,
+        )
+        success, message = await server.control(lambda: scheduler.profiler.handle(req, True, scheduler.forward_ct))
+        if not success:
+            raise RuntimeError(message)  # as SGLang's _execute_profile: a bare HTTP 500
+        return Response(content="Start profiling.\n", status_code=200)
+
+    @app.api_route("/stop_profile", methods=["GET", "POST"])
+    async def stop_profile() -> Response:
+        success, message = await server.control(lambda: scheduler.profiler.handle(ProfileReq(), False, scheduler.forward_ct))
+        if not success:
+            raise RuntimeError(message)
+        return Response(content="Stop profiling. This will take some time.\n", status_code=200)
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(obj: UpdateWeightFromDiskReqInput) -> JSONResponse:
+        server.check_fields(obj, "/update_weights_from_disk")
+        if obj.abort_all_requests:
+            await server.control(scheduler.abort_all)
+
+        def load() -> tuple[bool, str]:
+            success, message = scheduler.update_weights_from_disk(obj.model_path, obj.flush_cache)
+            if success and obj.weight_version is not None:
+                scheduler.weight_version = obj.weight_version
+                message += f" Weight version updated to {obj.weight_version}."
+            return success, message
+
+        success, message = await server.control(load)
+        content = {"success": success, "message": message, "num_paused_requests": 0}
+        return JSONResponse(content, status_code=200 if success else 400)
+
+    @app.post("/pause_generation")
+    async def pause_generation(obj: PauseGenerationReqInput) -> JSONResponse:
+        server.check_fields(obj, "/pause_generation")
+        async with server.pause_cond:
+            server.is_pause = True
+            await server.control(lambda: scheduler.pause(obj.mode))
+        return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
+
+    @app.post("/continue_generation")
+    async def continue_generation(obj: ContinueGenerationReqInput) -> JSONResponse:
+        server.check_fields(obj, "/continue_generation")
+        async with server.pause_cond:
+            server.is_pause = False
+            await server.control(scheduler.resume)
+            server.pause_cond.notify_all()
+        return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
+
+    return app
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="FAKE SGLang server for tests (not SGLang; CPU only).")
+    parser.add_argument("--model-path", required=True, help="Hugging Face checkpoint directory.")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument(
+        "--fake-strict-fields",
+        action="store_true",
+        help="Fake-only: reject unknown request fields with HTTP 400 (SGLang ignores them).",
+    )
+    args, ignored = parser.parse_known_args(argv)
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(message)s")
+    if ignored:
+        log.info("fake SGLang server: ignoring arguments %s", ignored)
+    scheduler = Scheduler(Path(args.model_path))
+    app = build_app(scheduler, strict_fields=args.fake_strict_fields)
+    # A request held by a pause must not keep a terminated server alive.
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=5)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,196 @@
+"""`engine: sglang` in a real 2-replica Serve app over HTTP, each replica launching and driving its
+own FAKE SGLang server (tests/fakes/fake_sglang_server.py: NOT SGLang, which needs CUDA) as a
+child process: profiled steps across a weight update, conflicts, a weights file SGLang refuses,
+SGLang's own num_steps cap, and the server processes ending with the app."""
+
+from __future__ import annotations
+
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from conftest import deploy
+from integ_util import (
+    client,
+    complete,
+    complete_concurrently,
+    ok,
+    poll,
+    read_trace,
+    status,
+    stop_if_active,
+    wait_manifest,
+    write_perturbed_weights,
+)
+from ray import serve
+from safetensors.torch import save_file
+
+pytestmark = pytest.mark.integration
+
+REPLICAS = 2
+FAKE_SERVER = Path(__file__).resolve().parents[1] / "fakes" / "fake_sglang_server.py"
+_deleted: set[str] = set()
+
+
+def fake_server_pids(model_dir: Path) -> set[int]:
+    """The fake SGLang servers serving `model_dir` (this session's model: only this module's)."""
+    pids = set()
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        cmd = proc.info["cmdline"] or []
+        if str(FAKE_SERVER) in cmd and str(model_dir) in cmd:
+            pids.add(proc.info["pid"])
+    return pids
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.fixture(scope="module")
+def app(ray_cluster, model_dir, tmp_path_factory):
+    served = deploy(
+        ray_cluster,
+        model_dir,
+        tmp_path_factory.mktemp("sglangfake"),
+        "sglangfake",
+        engine="sglang",
+        sglang={
+            "server_command": [sys.executable, str(FAKE_SERVER)],
+            # Fake-only: reject request fields SGLang would silently ignore (a misspelt field).
+            "server_args": ["--fake-strict-fields"],
+            "startup_timeout_s": 180,
+            "request_timeout_s": 60,
+        },
+    )
+    try:
+        yield served
+    finally:
+        if served.name not in _deleted:
+            serve.delete(served.name)
+
+
+@pytest.fixture(scope="module")
+def http(app):
+    with client(app.base_url) as c:
+        try:
+            yield c
+        finally:
+            if app.name not in _deleted:
+                stop_if_active(c)
+
+
+def check_step_traces(app, http, step: int, version: int, replica_ids: set[str]) -> list[dict]:
+    """The step's manifest is complete and lists, per replica, SGLang's trace named for the step,
+    under step_<k>/rollout/<replica_id>/, a gzip Chrome trace with one run_batch range per step."""
+    manifest = wait_manifest(http, step, ("complete", "partial"))
+    assert manifest["status"] == "complete", manifest
+    entries = [e for e in manifest["entries"] if e["role"] == "rollout"]
+    assert {e["replica_id"] for e in entries} == replica_ids
+    step_dir = app.save_path / f"step_{step}"
+    for e in entries:
+        assert e["status"] == "ok" and e["error"] is None and not e["exporting"], e
+        assert e["weight_version"] == version, e
+        assert len(e["files"]) == 1, e
+        rel = Path(e["files"][0])
+        assert rel.parent == Path("rollout") / e["replica_id"], rel
+        assert rel.name.startswith(f"step{step}-") and rel.name.endswith("-TP-0.trace.json.gz"), rel
+        events = read_trace(step_dir / rel)["traceEvents"]
+        batches = [ev for ev in events if ev.get("name") == "run_batch" and ev.get("cat") == "user_annotation"]
+        assert len(batches) == e["forward_steps"] > 0, e
+    return entries
+
+
+def test_sglang_engine_against_fake_server_profiles_steps_across_a_weight_update(app, http, model_dir):
+    assert len(fake_server_pids(model_dir)) == REPLICAS, "one fake SGLang server per replica"
+    version = 1
+    weights = write_perturbed_weights(model_dir, app.weights_dir / f"v{version}.safetensors", seed=version)
+    probe = {"prompt": "The quick brown fox", "max_tokens": 6, "temperature": 0, "logprobs": 1}
+    try:
+        started = ok(http.post("/profile/start", json={"step": 1}))
+        assert all(r["ok"] and r["state"] == "profiling" for r in started["replicas"]), started
+        replica_ids = {r["replica_id"] for r in started["replicas"]}
+        assert len(replica_ids) == REPLICAS
+        before = complete_concurrently(http, n=12, max_tokens=4)
+        assert all(r["weight_version"] == 0 for r in before)
+        probe_before = complete(http, **probe)["choices"][0]
+
+        # The trainer's sync for version 1: stop(1, pause) -> update(1, no resume) -> start(2).
+        with ThreadPoolExecutor(1) as pool:
+            stopped = ok(http.post("/profile/stop", json={"step": 1, "pause": True}))
+            assert stopped["stopped"] and all(r["ok"] and r["paused"] for r in stopped["replicas"]), stopped
+            held = pool.submit(complete, http, "Red green blue", max_tokens=3)
+            time.sleep(1.0)
+            assert not held.done(), "a request ran while SGLang generation was paused"
+            updated = ok(http.post("/weights/update", json={"version": version, "path": str(weights), "resume": False}))
+            assert all(r["ok"] and r["weight_version"] == version for r in updated["replicas"]), updated
+            assert len(updated["replicas"]) == REPLICAS
+            assert not held.done(), "a request ran after update(resume=false), before start(2)"
+            started = ok(http.post("/profile/start", json={"step": 2}))
+            assert all(r["ok"] and r["weight_version"] == version and not r["paused"] for r in started["replicas"])
+            gap = held.result(timeout=60)
+        assert gap["weight_version"] == version and gap["choices"][0]["weight_versions"] == [version]
+
+        after = complete_concurrently(http, n=12, max_tokens=4)
+        assert all(ch["weight_versions"] == [version] for r in after for ch in r["choices"])
+        probe_after = complete(http, **probe)["choices"][0]
+        assert probe_after["logprobs"]["token_logprobs"] != probe_before["logprobs"]["token_logprobs"]
+
+        conflict = http.post("/profile/start", json={"step": 3})
+        assert conflict.status_code == 409 and "step 2 is being profiled" in conflict.json()["detail"], conflict.text
+        ok(http.post("/profile/stop", json={"step": 2}))
+    finally:
+        stop_if_active(http)
+    st = status(http)
+    assert st["weight_version"] == version and all(r["weight_version"] == version for r in st["replicas"]), st
+    check_step_traces(app, http, 1, 0, replica_ids)
+    check_step_traces(app, http, 2, version, replica_ids)
+
+
+def test_sglang_engine_against_fake_server_refused_weights_keep_the_old_version(app, http):
+    bad = app.weights_dir / "renamed.safetensors"
+    save_file({"not.a.model.weight": torch.zeros(4)}, str(bad))  # readable, but not this model's
+    resp = http.post("/weights/update", json={"version": 2, "path": str(bad)})
+    assert resp.status_code == 422, resp.text
+    detail = resp.json()["detail"]
+    assert "version 1 keeps serving" in detail and "Failed to update weights" in detail, detail
+    st = status(http)
+    assert st["weight_version"] == 1 and not st["paused"]
+    assert all(r["ok"] and r["weight_version"] == 1 and not r["paused"] for r in st["replicas"]), st
+    assert all(r["weight_version"] == 1 for r in complete_concurrently(http, n=4, max_tokens=2))
+
+
+def test_sglang_engine_against_fake_server_num_steps_caps_the_recording(app, http):
+    """SGLang stops the recording itself after max_forward_steps (its num_steps); the later
+    /profile/stop still closes the step cleanly."""
+    step, cap = 5, 2
+    try:
+        ok(http.post("/profile/start", json={"step": step, "max_forward_steps": cap, "tag": "capped"}))
+        complete_concurrently(http, n=8, max_tokens=4)
+        stopped = ok(http.post("/profile/stop", json={"step": step}))
+    finally:
+        stop_if_active(http)
+    assert all(r["ok"] for r in stopped["replicas"]), stopped
+    manifest = wait_manifest(http, step, ("complete", "partial"))
+    assert manifest["status"] == "complete" and manifest["tag"] == "capped", manifest
+    for e in manifest["entries"]:
+        assert e["status"] == "ok" and e["forward_steps"] == cap, e
+        assert Path(e["files"][0]).name.startswith(f"step{step}-capped-"), e
+
+
+def test_sglang_engine_against_fake_server_processes_end_with_the_app(app, model_dir):
+    pids = fake_server_pids(model_dir)
+    assert len(pids) == REPLICAS
+    serve.delete(app.name)
+    _deleted.add(app.name)
+
+    def gone() -> bool:
+        return not any(_running(p) for p in pids)
+
+    poll(gone, timeout=60, what="the fake SGLang servers to exit after the app was deleted")
