@@ -38,7 +38,8 @@ class RolloutReplica:
         self.engine = create_engine(
             args,
             lambda backend_factory: ProfileSession(
-                store=TraceStore(args.save_path, merge_on_complete=args.merge_on_complete),
+                # The controller merges once every replica's export is in (one merge per step).
+                store=TraceStore(args.save_path),
                 entry_identity=ManifestEntry(
                     role="rollout", replica_id=self.replica_id, node_id=self._node_id
                 ),
