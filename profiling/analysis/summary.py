@@ -1,6 +1,6 @@
 """Per-step summaries from the trace events: per process, and across replicas.
 
-Per process: time in forward-step ranges (`forward_step#<i> ...`: the engine steps of a replica,
+Per process: time in engine-step ranges (`profiling.step_ranges`: the engine steps of a replica,
 the mini-batches of the trainer), ops ranked by self time, time in weight updates, and profiler
 overhead. Across replicas: how far apart they started and stopped, and the slowest one.
 
@@ -36,9 +36,9 @@ from profiling.manifest import (
     StepManifest,
     SyncCost,
 )
+from profiling.step_ranges import ENGINE_STEP_PREFIXES
 from profiling.store import TraceStore
 
-FORWARD_PREFIX = "forward_step#"
 WEIGHT_UPDATE_PREFIX = "weight_update"
 CLOCK_PREFIX = "clock_sync"
 ANNOTATION_CATS = {"user_annotation", "gpu_user_annotation", "python_function", "Trace"}
@@ -241,7 +241,7 @@ class _ProcessReader:
             if cat == "Trace":
                 continue  # Kineto's whole-recording span
             if cat != "gpu_user_annotation":
-                if name.startswith(FORWARD_PREFIX):
+                if name.startswith(ENGINE_STEP_PREFIXES):
                     spans.append(("forward", ts, dur))
                 elif name.startswith(WEIGHT_UPDATE_PREFIX):
                     spans.append(("weight_update", ts, dur))

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from profiling.backends.nsys_profiler import REPORT_WHERE
 from profiling.config import NpuOptions, ProfileOptions
+from profiling.step_ranges import SGLANG_BATCH
 from profiling.store import atomic_write_text
 from serve_app.config import AppArgs
 from serve_app.engines.base import GenerateRequest, GenerateResult
@@ -100,7 +101,7 @@ def start_profile_body(prefix: str, options: ProfileOptions, trace_dir: Path) ->
 class SglangEngine(ExternalEngine):
     # One engine step: the `run_batch` range SGLang opens around a batch launch (in its
     # pipeline-parallel loop; the fake server opens it around every batch).
-    step_range = '"name": "run_batch"'
+    step_range = f'"name": "{SGLANG_BATCH}"'
 
     def __init__(self, *, args: AppArgs, model_dir: Path, session_factory: SessionFactory, trace_dir: Path):
         super().__init__(

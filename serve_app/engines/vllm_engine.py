@@ -18,6 +18,7 @@ import uuid
 from pathlib import Path
 
 from profiling.config import ProfileOptions
+from profiling.step_ranges import VLLM_ITERATION
 from serve_app.config import AppArgs, VllmOptions
 from serve_app.engines.base import GenerateRequest, GenerateResult
 from serve_app.engines.external import ExternalEngine, SessionFactory
@@ -30,7 +31,7 @@ _VLLM_PROFILER = {"torch": "torch", "nsys": "cuda"}
 
 class VllmEngine(ExternalEngine):
     # One engine iteration in vLLM's worker trace: `execute_context_<n>(<tokens>)_generation_<m>(..)`.
-    step_range = '"name": "execute_context_'
+    step_range = f'"name": "{VLLM_ITERATION}'
 
     def __init__(self, *, args: AppArgs, model_dir: Path, session_factory: SessionFactory, trace_dir: Path):
         super().__init__(
