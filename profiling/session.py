@@ -15,12 +15,11 @@ Every method except `status`/`wait_exported` must run on the thread that runs th
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Executor, Future, wait
+from concurrent.futures import Executor, Future
 from typing import Literal
 
 from pydantic import BaseModel, Field
@@ -32,7 +31,6 @@ from profiling.store import TraceStore
 
 SessionState = Literal["idle", "profiling", "capped", "exporting"]
 _KEEP_EXPORTS = 16
-log = logging.getLogger(__name__)
 
 
 class SessionConflict(RuntimeError):
@@ -68,13 +66,8 @@ class ProfileSession:
         entry_identity: ManifestEntry,
         exporter: Executor,
         backend_factory: Callable[[ProfileOptions], ProfilerBackend] = create_backend,
-        max_pending_exports: int = 2,
     ):
-        """`max_pending_exports`: recordings not yet written that a new start may leave behind;
-        beyond that, start waits for the oldest (an unexported recording holds all its events
-        in memory, so a backlog would grow without bound when steps come faster than exports)."""
         self._store = store
-        self._max_pending_exports = max_pending_exports
         self._identity = entry_identity
         self._exporter = exporter
         self._backend_factory = backend_factory
@@ -134,7 +127,6 @@ class ProfileSession:
             raise SessionConflict(
                 f"step {self._spec.step} is being profiled; stop it before starting step {spec.step}"
             )
-        self._drain_exports()
         backend = self._backend_factory(spec.options)
         out_dir = self._store.entry_dir(spec.step, self._identity)
         entry = self._identity.model_copy(
@@ -239,14 +231,6 @@ class ProfileSession:
         self._entry.stopped_at = time.time()
         self._state = "capped"
         self._finish_recording(self._spec, self._backend, self._entry, self._pending_export(self._spec.step))
-
-    def _drain_exports(self) -> None:
-        with self._lock:
-            pending = [f for f in self._exports.values() if not f.done()]
-        excess = len(pending) - self._max_pending_exports + 1
-        if excess > 0:
-            log.warning("%d trace exports pending: waiting for the oldest before recording again", len(pending))
-            wait(pending[:excess])
 
     def _pending_export(self, step: int) -> Future[ManifestEntry]:
         pending: Future[ManifestEntry] = Future()

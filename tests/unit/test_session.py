@@ -424,33 +424,3 @@ def test_failed_export_lists_no_missing_files(store, exporter, model):
     missing = [f for f in final.files if not (store.step_dir(2) / f).exists()]
     assert missing == []
 
-
-def test_start_waits_for_an_export_backlog_beyond_the_bound(store, exporter, model):
-    release = threading.Event()
-
-    class SlowTrace(RecordedTrace):
-        def export(self, out_dir: Path) -> list[Path]:
-            release.wait(WAIT)
-            out_dir.mkdir(parents=True, exist_ok=True)
-            (out_dir / "t.json").write_text("{}")
-            return [out_dir / "t.json"]
-
-    class SlowExport(TorchProfilerBackend):
-        def _stop(self):
-            super()._stop()
-            return SlowTrace()
-
-    s = make_session(store, exporter, backend_factory=SlowExport, max_pending_exports=2)
-    for k in (1, 2):  # two recordings left unexported: within the bound
-        s.start(spec(k), weight_version=0)
-        s.stop(k)
-    assert s.exports_pending == 2
-    started = threading.Event()
-    t = threading.Thread(target=lambda: (s.start(spec(3), weight_version=0), started.set()))
-    t.start()
-    assert not started.wait(0.5), "a third recording started with two exports pending"
-    release.set()
-    assert started.wait(WAIT)
-    t.join()
-    s.stop(3)
-    assert s.wait_exported(3, timeout=WAIT).status == "ok"
