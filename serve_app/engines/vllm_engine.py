@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import inspect
-import logging
 import uuid
 from pathlib import Path
 
@@ -23,7 +22,6 @@ from serve_app.config import AppArgs, VllmOptions
 from serve_app.engines.base import GenerateRequest, GenerateResult
 from serve_app.engines.external import ExternalEngine, SessionFactory
 
-log = logging.getLogger(__name__)
 
 # vLLM's profiler kind for each of our tools (fixed when the engine is built).
 _VLLM_PROFILER = {"torch": "torch", "nsys": "cuda"}
@@ -49,7 +47,6 @@ class VllmEngine(ExternalEngine):
         opts = args.vllm
         self.model_name = args.model_name
         self._build_options = args.profiler
-        self._model_dir = model_dir
         self._llm = AsyncLLM.from_engine_args(
             AsyncEngineArgs(
                 model=str(model_dir),
