@@ -23,6 +23,7 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
@@ -47,7 +48,9 @@ from profiling.manifest import MergeRecord
 from profiling.store import MERGED_TRACE, TraceStore
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
-TOKEN_ENV = "ROLLOUT_CONTROL_TOKEN"
+APP_COMMANDS = "rollout_profiler.app_commands"
+"""Entry-point group of the commands that talk to the app (status/start/stop). They live with
+the HTTP client in `trainer/` (profiling/ stays free of HTTP) and are added here at start-up."""
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__, rich_markup_mode=None)
 # Piped output is read by people in logs and by scripts (with --json): tables wide, lines unwrapped.
@@ -60,19 +63,16 @@ Steps = Annotated[
     list[int] | None, typer.Option("--step", help="A step (repeat for several; default: every step).")
 ]
 AsJson = Annotated[bool, typer.Option("--json", help="Print JSON on stdout (for scripts).")]
-Url = Annotated[str, typer.Option(help="The app's base URL, e.g. http://127.0.0.1:8000.")]
-Token = Annotated[
-    str | None,
-    typer.Option(
-        envvar=TOKEN_ENV, help=f"Control token (sent as 'Authorization: Bearer'); also ${TOKEN_ENV}."
-    ),
-]
-Timeout = Annotated[float, typer.Option(help="Seconds to wait for the app's answer.")]
 
 
 def main() -> None:
     """Entry point of `python -m profiling`."""
     app()
+
+
+def _add_app_commands() -> None:
+    for ep in entry_points(group=APP_COMMANDS):
+        ep.load()(app)
 
 
 def _fail(code: int, message: str) -> NoReturn:
@@ -297,126 +297,6 @@ def report(directory: Dir, step: Steps = None) -> None:
     out.print(f"index: {result.index}", markup=False)
 
 
-# -- the app ---------------------------------------------------------------------------------------
-
-
-def _call(
-    url: str, token: str | None, timeout: float, method: str, path: str, body: dict | None = None
-) -> dict:
-    """One HTTP call to the app; exits 3 if it cannot be reached and 1 if it refuses."""
-    import httpx  # lazily: the analysis commands never need HTTP
-
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    try:
-        resp = httpx.request(method, url.rstrip("/") + path, json=body, headers=headers, timeout=timeout)
-    except httpx.TransportError as e:
-        _fail(
-            EXIT_UNREACHABLE,
-            f"cannot reach the app at {url} ({e!r}); check --url and that the app is running",
-        )
-    try:
-        data = resp.json()
-    except ValueError:
-        data = {"detail": resp.text}
-    if resp.status_code >= 400:
-        detail = data.get("detail") if isinstance(data, dict) else data
-        hint = f" (pass --token or set ${TOKEN_ENV})" if resp.status_code == 401 else ""
-        failed = (
-            [
-                f"{r.get('replica_id')}: {r.get('error')}"
-                for r in data.get("replicas", [])
-                if not r.get("ok", True)
-            ]
-            if isinstance(data, dict)
-            else []
-        )
-        _fail(
-            EXIT_FAILED,
-            f"{method} {path} -> {resp.status_code}: {detail}{hint}"
-            + (f" [{'; '.join(failed)}]" if failed else ""),
-        )
-    return data
-
-
-def _replicas_done(data: dict, as_json: bool, title: str) -> None:
-    """Print the per-replica answers; exit 1 if any replica did not carry the call out."""
-    replicas = data.get("replicas", [])
-    if as_json:
-        _print_json(data)
-    else:
-        table = Table(title=title)
-        for col in ("replica", "ok", "state", "step", "weights", "fwd steps", "error"):
-            table.add_column(col)
-        for r in replicas:
-            table.add_row(
-                str(r.get("replica_id")),
-                "yes" if r.get("ok") else "NO",
-                str(r.get("state") or "-"),
-                str(r.get("active_step") or "-"),
-                str(r.get("weight_version")),
-                str(r.get("forward_steps") or 0),
-                str(r.get("error") or ""),
-            )
-        out.print(table)
-    bad = [r.get("replica_id") for r in replicas if not r.get("ok", True)]
-    if bad:
-        _fail(EXIT_FAILED, f"{len(bad)} replica(s) did not carry it out: {', '.join(map(str, bad))}")
-
-
-@app.command()
-def status(url: Url, token: Token = None, timeout: Timeout = 30.0, as_json: AsJson = False) -> None:
-    """GET /profile/status: the active step (or idle), weight version, and each replica's state."""
-    data = _call(url, token, timeout, "GET", "/profile/status")
-    title = f"{data.get('state')} (step {data.get('active_step')}, weights v{data.get('weight_version')}, paused {data.get('paused')})"
-    _replicas_done(data, as_json, title)
-
-
-@app.command()
-def start(
-    url: Url,
-    step: Annotated[int, typer.Option(min=1, help="The step to profile (generation on weights step-1).")],
-    token: Token = None,
-    tag: Annotated[str | None, typer.Option(help="A label for the window ([A-Za-z0-9._-]{1,64}).")] = None,
-    max_forward_steps: Annotated[
-        int | None, typer.Option(min=1, help="Cap the recording at this many engine steps.")
-    ] = None,
-    max_duration_s: Annotated[
-        float | None, typer.Option(min=0.001, help="Cap the recording at this many seconds.")
-    ] = None,
-    timeout: Timeout = 60.0,
-    as_json: AsJson = False,
-) -> None:
-    """POST /profile/start: start profiling STEP on every replica."""
-    body = {
-        "step": step,
-        "tag": tag,
-        "max_forward_steps": max_forward_steps,
-        "max_duration_s": max_duration_s,
-    }
-    data = _call(
-        url, token, timeout, "POST", "/profile/start", {k: v for k, v in body.items() if v is not None}
-    )
-    _replicas_done(data, as_json, f"step {data.get('step')}: {data.get('state')}")
-
-
-@app.command()
-def stop(
-    url: Url,
-    step: Annotated[int, typer.Option(min=1, help="The step being profiled.")],
-    token: Token = None,
-    timeout: Timeout = 60.0,
-    as_json: AsJson = False,
-) -> None:
-    """POST /profile/stop: stop STEP; traces are exported in the background (see `list`)."""
-    data = _call(url, token, timeout, "POST", "/profile/stop", {"step": step})
-    if not data.get("stopped") and not as_json:
-        out.print("nothing was being profiled", markup=False)
-        return
-    _replicas_done(data, as_json, f"step {data.get('step')}: stopped")
-    if not as_json and data.get("manifest"):
-        out.print(f"manifest: {data['manifest']}", markup=False)
-
-
 # -- printing --------------------------------------------------------------------------------------
 
 
@@ -512,3 +392,6 @@ def _print_diff(d: StepDiff) -> None:
             "-" if row.ratio is None else f"{row.ratio:.2f}x",
         )
     out.print(ops)
+
+
+_add_app_commands()

@@ -18,10 +18,10 @@ from profiling.cli import (
     EXIT_OK,
     EXIT_UNREACHABLE,
     EXIT_USAGE,
-    TOKEN_ENV,
     app,
 )
 from profiling.store import MERGED_TRACE
+from trainer.app_commands import TOKEN_ENV
 
 from .synth import Proc, forward, write_step
 
