@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 from abc import ABC, abstractmethod
 
 from pydantic import BaseModel, Field
 
 from profiling.manifest import ManifestEntry
-from profiling.session import SessionSpec, StopOutcome
+from profiling.session import ProfileSession, SessionSpec, StopOutcome
 
 
 class GenerateRequest(BaseModel):
@@ -40,6 +41,9 @@ class RolloutEngine(ABC):
     """One engine inside one replica. Profiling calls are keyed by the step they belong to."""
 
     model_name: str
+    weight_version: int
+    _session: ProfileSession
+    """The replica's profiling session (its state and exports are what `status` reports)."""
 
     @abstractmethod
     def tokenize(self, text: str) -> list[int]: ...
@@ -66,11 +70,29 @@ class RolloutEngine(ABC):
         """Load `path` as `version` between engine steps; returns seconds spent. Afterwards
         admission is open if `resume`, else held until the next start (or the hold timeout)."""
 
-    @abstractmethod
-    async def wait_exported(self, step: int, timeout_s: float) -> ManifestEntry | None: ...
+    async def wait_exported(self, step: int, timeout_s: float) -> ManifestEntry | None:
+        """This replica's final entry for `step` once its export is done (None: none)."""
+        return await asyncio.to_thread(self._session.wait_exported, step, timeout_s)
 
+    @property
     @abstractmethod
-    def status(self) -> EngineStatus: ...
+    def paused(self) -> bool:
+        """Whether admission of new engine steps is held."""
+
+    def forward_steps_by_version(self) -> dict[int, int]:
+        """All forward passes run, by weight version ({}: the engine does not say)."""
+        return {}
+
+    def status(self) -> EngineStatus:
+        return EngineStatus(
+            state=self._session.state,
+            active_step=self._session.active_step,
+            weight_version=self.weight_version,
+            paused=self.paused,
+            forward_steps=self._session.forward_steps,
+            forward_steps_by_version=self.forward_steps_by_version(),
+            exports_pending=self._session.exports_pending,
+        )
 
     @abstractmethod
     def healthy(self) -> bool: ...

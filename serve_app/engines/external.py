@@ -31,9 +31,8 @@ from typing import Any, TypeVar
 
 from profiling.backends.base import ProfilerBackend, RecordedTrace
 from profiling.config import ProfileOptions
-from profiling.manifest import ManifestEntry
 from profiling.session import ProfileSession, SessionSpec, StopOutcome
-from serve_app.engines.base import EngineStatus, RolloutEngine
+from serve_app.engines.base import RolloutEngine
 from serve_app.engines.tokenizer import HfTokenizerMixin
 
 log = logging.getLogger(__name__)
@@ -327,19 +326,9 @@ class ExternalEngine(HfTokenizerMixin, RolloutEngine):
                 await self._hold()
         return time.perf_counter() - t0
 
-    async def wait_exported(self, step: int, timeout_s: float) -> ManifestEntry | None:
-        return await asyncio.to_thread(self._session.wait_exported, step, timeout_s)
-
-    def status(self) -> EngineStatus:
-        return EngineStatus(
-            state=self._session.state,
-            active_step=self._session.active_step,
-            weight_version=self.weight_version,
-            paused=self._held,
-            forward_steps=self._session.forward_steps,
-            forward_steps_by_version={},
-            exports_pending=self._session.exports_pending,
-        )
+    @property
+    def paused(self) -> bool:
+        return self._held
 
     async def _close_control(self) -> None:
         if self._watchdog is not None:

@@ -21,9 +21,8 @@ import torch
 from transformers import LlamaForCausalLM
 from transformers.cache_utils import DynamicCache
 
-from profiling.manifest import ManifestEntry
 from profiling.session import ProfileSession, SessionSpec, StopOutcome
-from serve_app.engines.base import EngineStatus, GenerateRequest, GenerateResult, RolloutEngine
+from serve_app.engines.base import GenerateRequest, GenerateResult, RolloutEngine
 from serve_app.engines.model_thread import ModelThread
 from serve_app.engines.tokenizer import HfTokenizerMixin
 from serve_app.weights import WeightsError, read_state_dict
@@ -275,19 +274,12 @@ class TransformersEngine(HfTokenizerMixin, RolloutEngine):
                 f"missing {missing[:3]}, unexpected {unexpected[:3]}, wrong shape {wrong[:3]}"
             )
 
-    async def wait_exported(self, step: int, timeout_s: float) -> ManifestEntry | None:
-        return await asyncio.to_thread(self._session.wait_exported, step, timeout_s)
+    @property
+    def paused(self) -> bool:
+        return self._thread.paused
 
-    def status(self) -> EngineStatus:
-        return EngineStatus(
-            state=self._session.state,
-            active_step=self._session.active_step,
-            weight_version=self.weight_version,
-            paused=self._thread.paused,
-            forward_steps=self._session.forward_steps,
-            forward_steps_by_version=dict(self._forwards_by_version),
-            exports_pending=self._session.exports_pending,
-        )
+    def forward_steps_by_version(self) -> dict[int, int]:
+        return dict(self._forwards_by_version)
 
     def healthy(self) -> bool:
         return self._thread.alive()
