@@ -9,8 +9,9 @@ threads and RSS after warm-up, at the middle and at the end (no growth trend).
 
     python benchmarks/soak.py [--cycles 1000] [--clients 8] [--update-every 10]
 
-Known result on 2 cores: exports (and merges) fall behind a cycle per second, so replica memory
-grows with the backlog of unexported recordings; no test runs this in CI yet.
+Control calls go through the trainer's RolloutClient, so a start refused with 429 (earlier
+steps' traces still exporting: the app's export backlog bound) is waited out as the trainer
+would; the time starts spent waiting is reported. tests/integration/test_soak.py runs 100 cycles.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import typer
 from pydantic import BaseModel
 
 from profiling.store import TraceStore
+from trainer.client import RolloutClient
 
 PROMPTS = ["The rollout server answers", "Red green blue", "One two three", "The quick brown fox"]
 
@@ -49,6 +51,9 @@ class SoakReport(BaseModel):
     incomplete_manifests: list[int]
     stop_p50_ms: float
     stop_p99_ms: float
+    start_p50_ms: float
+    start_p99_ms: float
+    """Includes waiting out 429s while the export backlog is full."""
     stats: dict[str, ProcessStats]
     """'warm' (after warm-up), 'middle', 'end'."""
     seconds: float
@@ -93,11 +98,10 @@ async def _generate_forever(c: httpx.AsyncClient, i: int, stop: asyncio.Event, c
         counts["failed"] += 1
 
 
-async def _control(c: httpx.AsyncClient, path: str, body: dict) -> dict:
-    r = await c.post(path, json=body)
-    if r.status_code != 200:
-        raise RuntimeError(f"POST {path} {body}: {r.status_code} {r.text[:300]}")
-    return r.json()
+def _percentiles(samples: list[float]) -> tuple[float, float]:
+    """p50 and p99 in milliseconds."""
+    ordered = sorted(samples)
+    return statistics.median(ordered) * 1000, ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))] * 1000
 
 
 async def soak(
@@ -120,13 +124,17 @@ async def soak(
     counts = {"ok": 0, "failed": 0}
     failures: list[str] = []
     stop_times: list[float] = []
+    start_times: list[float] = []
     stats: dict[str, ProcessStats] = {}
     done = asyncio.Event()
     t_start = time.perf_counter()
     limits = httpx.Limits(max_connections=clients + 4)
-    async with httpx.AsyncClient(base_url=url, timeout=120.0, limits=limits) as c:
+    async with (
+        httpx.AsyncClient(base_url=url, timeout=120.0, limits=limits) as c,
+        RolloutClient(url, timeout_s=120.0) as control,
+    ):
         gens = [asyncio.create_task(_generate_forever(c, i, done, counts, failures)) for i in range(clients)]
-        version, updates = (await c.get("/profile/status")).json()["weight_version"], 0
+        version, updates = (await control.status()).weight_version, 0
         steps = []
         try:
             for i in range(warmup_cycles + cycles):
@@ -136,18 +144,21 @@ async def soak(
                     stats["middle"] = app_process_stats(app_name)
                 step = first_step + i
                 update = (i + 1) % update_every == 0
-                await _control(c, "/profile/start", {"step": step})
-                await asyncio.sleep(window_s)
                 t0 = time.perf_counter()
-                await _control(c, "/profile/stop", {"step": step, "pause": update})
+                await control.start_profile(step)
+                t1 = time.perf_counter()
+                await asyncio.sleep(window_s)
+                t2 = time.perf_counter()
+                await control.stop_profile(step, pause=update)
                 if i >= warmup_cycles:
-                    stop_times.append(time.perf_counter() - t0)
+                    start_times.append(t1 - t0)
+                    stop_times.append(time.perf_counter() - t2)
                     steps.append(step)
                 if update:
                     version += 1
                     path = weights_dir / f"v{version}.safetensors"
                     shutil.copyfile(weights_file, path)
-                    await _control(c, "/weights/update", {"version": version, "path": str(path)})
+                    await control.update_weights(version, str(path))
                     (weights_dir / f"v{version - 1}.safetensors").unlink(missing_ok=True)
                     updates += 1
                 if on_cycle:
@@ -157,7 +168,8 @@ async def soak(
             await asyncio.gather(*gens)
     incomplete = await asyncio.to_thread(_wait_manifests, store, steps)
     stats["end"] = app_process_stats(app_name)
-    ordered = sorted(stop_times)
+    stop_p50, stop_p99 = _percentiles(stop_times)
+    start_p50, start_p99 = _percentiles(start_times)
     return SoakReport(
         cycles=cycles,
         updates=updates,
@@ -165,8 +177,10 @@ async def soak(
         requests_failed=counts["failed"],
         failures=failures[:20],
         incomplete_manifests=incomplete,
-        stop_p50_ms=statistics.median(ordered) * 1000,
-        stop_p99_ms=ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))] * 1000,
+        stop_p50_ms=stop_p50,
+        stop_p99_ms=stop_p99,
+        start_p50_ms=start_p50,
+        start_p99_ms=start_p99,
         stats=stats,
         seconds=time.perf_counter() - t_start,
     )
@@ -232,6 +246,7 @@ def main(
     table.add_row("incomplete manifests (goal 0)", str(len(report.incomplete_manifests)))
     table.add_row("weight updates", str(report.updates))
     table.add_row("stop p50 / p99 (ms)", f"{report.stop_p50_ms:.1f} / {report.stop_p99_ms:.1f}")
+    table.add_row("start p50 / p99 (ms, incl. backlog waits)", f"{report.start_p50_ms:.1f} / {report.start_p99_ms:.1f}")
     for when, s in report.stats.items():
         table.add_row(f"{when}: fds / threads / RSS MB ({s.processes} procs)", f"{s.fds} / {s.threads} / {s.rss_mb:.0f}")
     table.add_row("wall time (s)", f"{report.seconds:.0f}")

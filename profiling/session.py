@@ -27,6 +27,7 @@ from pydantic import BaseModel, Field
 from profiling.backends import ProfilerBackend, RecordedTrace, create_backend
 from profiling.config import ProfileOptions
 from profiling.manifest import ClockSync, ManifestEntry
+from profiling.memory import release_freed_memory
 from profiling.store import TraceStore
 
 SessionState = Literal["idle", "profiling", "capped", "exporting"]
@@ -265,6 +266,7 @@ class ProfileSession:
             if trace is None:  # the profiler's stop failed: nothing to write, the error is recorded
                 raise RuntimeError(entry.error)
             paths = trace.export(self._store.entry_dir(step, entry))
+            release_freed_memory()  # the recording's events were just freed
             entry.files = [self._store.relative(step, p) for p in paths]
             entry.bytes = sum(p.stat().st_size for p in paths)
             if trace.forward_steps is not None:

@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import TypeVar
 
@@ -89,6 +90,10 @@ class TraceStore:
     # -- guards -------------------------------------------------------------------------
     def check_writable(self, min_free_mb: float) -> None:
         """Raise StorageError unless save_path can be created, written, and has room."""
+        if self.root.exists() and not self.root.is_dir():
+            raise StorageError(
+                f"save_path {self.root} is not a directory; move that file away or point save_path elsewhere"
+            )
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             with tempfile.NamedTemporaryFile(dir=self.root, prefix=".probe."):
@@ -161,9 +166,21 @@ class TraceStore:
                 h.update(b"\0missing")
         return h.hexdigest()
 
+    def set_aside(self, step: int) -> Path | None:
+        """Move an earlier run's `step_<k>` to `step_<k>.replaced-<time>` so a new recording of
+        step k never mixes with it (nothing is deleted); returns where it went, None if absent."""
+        src = self.step_dir(step)
+        if not src.exists():
+            return None
+        stamp = time.strftime("%Y%m%dT%H%M%S")
+        dst = src.with_name(f"{src.name}.replaced-{stamp}-{time.time_ns() % 10**9:09d}")
+        src.rename(dst)
+        return dst
+
     def steps(self) -> list[int]:
-        """Steps that have a directory under save_path, ascending."""
-        if not self.root.is_dir():
+        """Steps that have a directory under save_path, ascending (OSError if save_path is a
+        file or unreadable: that is not the same as no steps)."""
+        if not self.root.exists():
             return []
         found = (_STEP_DIR.match(p.name) for p in self.root.iterdir() if p.is_dir())
         return sorted(int(m.group(1)) for m in found if m)
@@ -172,5 +189,5 @@ class TraceStore:
 def _read_model(path: Path, model: type[M]) -> M | None:
     try:
         return model.model_validate_json(path.read_text())
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # no such file (a parent may be a file)
         return None

@@ -24,7 +24,7 @@ class StartProfileRequest(StrictModel):
     with_stack: bool | None = None
     with_memory: bool | None = None
     max_forward_steps: int | None = Field(None, ge=1)
-    max_duration_s: float | None = Field(None, gt=0)
+    max_duration_s: float | None = Field(None, gt=0, allow_inf_nan=False)
     tag: SafeName | None = None
 
 
@@ -45,6 +45,13 @@ class UpdateWeightsRequest(StrictModel):
         description="Open admission after loading. False holds engine steps after the load "
         "until the /profile/start that follows, so no step on the new weights runs unprofiled.",
     )
+
+
+class InClusterWeightsRequest(StrictModel):
+    """The handle-only counterpart of UpdateWeightsRequest: weights come as an object-store ref."""
+
+    version: int = Field(ge=0, le=MAX_STEP)
+    resume: bool = True
 
 
 class ReplicaReport(BaseModel):

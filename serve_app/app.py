@@ -3,12 +3,16 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from typing import Any
 
+import ray
 from pydantic import ValidationError
 from ray import serve
 from ray.serve import Application
 from ray.serve.handle import DeploymentHandle
+from ray.serve.schema import ApplicationStatus
 
 from profiling.config import describe_validation_error
 from serve_app.config import AppArgs
@@ -21,21 +25,46 @@ from serve_app.ingress.ops_routes import OpsRoutesMixin
 from serve_app.ingress.profile_routes import ProfileRoutesMixin
 from serve_app.ingress.weight_routes import WeightRoutesMixin
 from serve_app.replica import RolloutReplica
+from serve_app.trace_collection import create_collector
+
+log = logging.getLogger(__name__)
 
 
 class _Ingress(ProfileRoutesMixin, WeightRoutesMixin, OpenAIRoutesMixin, OpsRoutesMixin):
     """The single control/ingress replica: HTTP routes in front of the rollout replicas."""
 
-    def __init__(self, replicas: DeploymentHandle, args: AppArgs):
+    async def __init__(self, replicas: DeploymentHandle, args: AppArgs):
         auth.configure(args.control_token)
         self.replicas = replicas
         self.model_name = args.model_name
-        self._desired = DesiredStateStore(serve.get_replica_context().app_name)
+        self._app_name = app_name = serve.get_replica_context().app_name
+        self._desired = DesiredStateStore(app_name)
+        # Created here, so it lives on this node: the one whose save_path the manifests name.
+        self._collector = create_collector(app_name, args.save_path) if args.trace_collection == "ray" else None
         self.control = ControlPlane(replicas, args, self._desired)
+        await self.control.recover()  # a restart mid-step resumes it (and its watchdog)
 
-    def __del__(self) -> None:
-        # Graceful shutdown (serve shutdown, app deleted): the desired state goes with the app.
+    async def __del__(self) -> None:
+        # Graceful shutdown. The app's actors go with the app, but only with it: an ingress
+        # moved off a drained node, while the replicas keep their weights and their step, must
+        # leave the desired state to its successor.
+        if not await _app_is_deleting(self._app_name):
+            log.info("ingress stopping while app %s lives on: keeping its desired state", self._app_name)
+            return
         self._desired.destroy()
+        if self._collector is not None:
+            ray.kill(self._collector)
+
+
+async def _app_is_deleting(app_name: str) -> bool:
+    """Whether Serve is deleting `app_name` (also when its status cannot be read: a stale
+    desired state inherited by the next app of that name would be the worse mistake)."""
+    try:
+        status = await asyncio.to_thread(serve.status)
+        app = status.applications.get(app_name)
+        return app is None or app.status == ApplicationStatus.DELETING
+    except Exception:  # noqa: BLE001 - Serve itself shutting down
+        return True
 
 
 RolloutIngress = make_ingress(
@@ -71,6 +100,7 @@ def build_app(args: dict[str, Any]) -> Application:
         },
         max_ongoing_requests=256,
         health_check_period_s=2,
+        **({"max_replicas_per_node": cfg.max_replicas_per_node} if cfg.max_replicas_per_node else {}),
     ).bind(cfg)
     ingress = serve.deployment(
         RolloutIngress,

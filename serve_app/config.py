@@ -76,6 +76,20 @@ class AppArgs(StrictModel):
         description="Environment variables of the replica processes (e.g. VLLM_CPU_KVCACHE_SPACE).",
     )
     save_path: str = Field("/tmp/rollout-profiler/traces", description="Root of all step traces.")
+    trace_collection: Literal["shared_fs", "ray"] = Field(
+        "shared_fs",
+        description="shared_fs: replicas write under save_path directly (one filesystem). ray: each "
+        "replica writes under node_dir on its own node and ships its traces through Ray to the "
+        "ingress's node, which holds save_path (nodes that share no filesystem).",
+    )
+    node_dir: str = Field(
+        "/tmp/rollout-profiler/node",
+        description="A directory on every node: traces before shipping (trace_collection: ray) and "
+        "weights received through the Ray object store.",
+    )
+    max_replicas_per_node: int | None = Field(
+        None, ge=1, description="Spread replicas over nodes (Serve's max_replicas_per_node)."
+    )
     merge_on_complete: bool = Field(
         True, description="Merge each complete/partial step into merged.trace.json.gz in the background."
     )
@@ -95,6 +109,12 @@ class AppArgs(StrictModel):
     max_batch_size: int = Field(16, ge=1)
     control_timeout_s: float = Field(30.0, gt=0, description="Per control call, per replica.")
     export_timeout_s: float = Field(600.0, gt=0, description="Wait for a replica's trace export.")
+    max_exporting_steps: int = Field(
+        4,
+        ge=1,
+        description="Stopped steps whose traces may still be exporting before a new start is "
+        "refused with 429 (unexported recordings are held in replica memory).",
+    )
     hold_timeout_s: float = Field(
         60.0, gt=0, description="Longest a stop(pause=true) holds engine steps without an update."
     )
@@ -102,7 +122,7 @@ class AppArgs(StrictModel):
     vllm: VllmOptions = Field(default_factory=VllmOptions)
     sglang: SglangOptions = Field(default_factory=SglangOptions)
 
-    @field_validator("save_path", "weights_dir")
+    @field_validator("save_path", "weights_dir", "node_dir")
     @classmethod
     def _absolute(cls, v: str) -> str:
         # Replicas run in other working directories: pin relative paths where the app is built.

@@ -14,8 +14,13 @@ from profiling.session import SessionSpec
 
 class DesiredState(BaseModel):
     active: SessionSpec | None = None
+    active_since: float | None = None
+    """Unix seconds when `active` started: a restarted controller re-arms the step's
+    max_duration_s watchdog for the time it has left."""
     weight_version: int = 0
     weights_path: str | None = None
+    weights_in_object_store: bool = False
+    """The served weights came through the Ray object store (the actor keeps their ref)."""
     paused: bool = False
 
 
@@ -23,12 +28,21 @@ class DesiredState(BaseModel):
 class DesiredStateActor:
     def __init__(self) -> None:
         self._state = DesiredState().model_dump_json()
+        self._weights_refs: list[ray.ObjectRef] = []
 
     def get(self) -> str:
         return self._state
 
     def set(self, state_json: str) -> None:
         self._state = state_json
+
+    def get_weights_refs(self) -> list[ray.ObjectRef]:
+        return self._weights_refs
+
+    def set_weights_refs(self, refs: list[ray.ObjectRef]) -> None:
+        # Holding the ref keeps the object reachable for replicas that start later (as long as
+        # its owner, the trainer process that put it, lives).
+        self._weights_refs = refs
 
 
 class DesiredStateStore:
@@ -47,6 +61,13 @@ class DesiredStateStore:
 
     async def set(self, state: DesiredState) -> None:
         await self._actor.set.remote(state.model_dump_json())
+
+    async def weights_refs(self) -> list[ray.ObjectRef]:
+        """The object-store ref of the served weights (a list, so it stays unresolved)."""
+        return await self._actor.get_weights_refs.remote()
+
+    async def set_weights_refs(self, refs: list[ray.ObjectRef]) -> None:
+        await self._actor.set_weights_refs.remote(refs)
 
     def destroy(self) -> None:
         ray.kill(self._actor)

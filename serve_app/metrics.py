@@ -59,6 +59,10 @@ EXPORT_SECONDS = Histogram(
     "Seconds a replica spent writing one step's trace, off the critical path (one sample per rollout trace).",
     buckets=_EXPORT_BUCKETS,
 )
+EXPORTING_STEPS = Gauge(
+    "rollout_profiler_exporting_steps",
+    "Stopped steps whose traces are still being written; a start is refused (429) at max_exporting_steps.",
+)
 TRACE_BYTES = Counter(
     "rollout_profiler_trace_bytes_total",
     "Bytes of rollout trace files written under save_path.",

@@ -24,7 +24,9 @@ from serve_app.control import START_FAILED
 from serve_app.desired_state import DesiredStateStore
 from serve_app.engines import create_engine
 from serve_app.engines.base import GenerateRequest
+from serve_app.trace_collection import ShippingTraceStore, node_local_dir
 from serve_app.weights import WeightsError
+from serve_app.weights_transfer import keep_only, materialize_weights
 
 log = logging.getLogger(__name__)
 
@@ -35,11 +37,17 @@ class RolloutReplica:
         self.replica_id = ctx.replica_tag
         self._args = args
         self._node_id = ray.get_runtime_context().get_node_id()
+        self._node_dir = node_local_dir(args.node_dir, self._node_id)
+        # The controller merges once every replica's export is in (one merge per step).
+        store = (
+            ShippingTraceStore(self._node_dir / "traces", ctx.app_name)
+            if args.trace_collection == "ray"
+            else TraceStore(args.save_path)
+        )
         self.engine = create_engine(
             args,
             lambda backend_factory: ProfileSession(
-                # The controller merges once every replica's export is in (one merge per step).
-                store=TraceStore(args.save_path),
+                store=store,
                 entry_identity=ManifestEntry(
                     role="rollout", replica_id=self.replica_id, node_id=self._node_id
                 ),
@@ -47,12 +55,20 @@ class RolloutReplica:
                 backend_factory=backend_factory,
             ),
             self.replica_id,
+            trace_root=store.root,
         )
-        await self._join(DesiredStateStore(ctx.app_name))
+        self._desired = DesiredStateStore(ctx.app_name)
+        self._mismatch: tuple[int | None, int | None] | None = None
+        self._joined_late: set[int] = set()
+        await self._join(self._desired)
 
     async def _join(self, store: DesiredStateStore) -> None:
         desired = await store.get()
-        if desired.weight_version > 0 and desired.weights_path:
+        if desired.weights_in_object_store:
+            report = await self.update_weights_in_cluster(desired.weight_version, await store.weights_refs(), True)
+            if not report.ok:
+                raise RuntimeError(f"cannot load the served weights, version {desired.weight_version}: {report.error}")
+        elif desired.weight_version > 0 and desired.weights_path:
             await self.engine.update_weights(desired.weight_version, desired.weights_path, resume=True)
         if desired.active is not None:
             spec = desired.active.model_copy(update={"late_start": True})
@@ -141,6 +157,19 @@ class RolloutReplica:
             return self._report(ok=False, error=f"weight update failed: {e}")
         return self._report(load_s=load_s)
 
+    async def update_weights_in_cluster(self, version: int, refs: list[ray.ObjectRef], resume: bool) -> ReplicaReport:
+        """Fetch the weights from the object store onto this node, then load them like a path."""
+        try:
+            path = await materialize_weights(refs, self._node_dir, version)
+        except Exception as e:  # noqa: BLE001 - reported per replica
+            return self._report(ok=False, error=f"could not fetch the weights from the object store: {e}")
+        report = await self.update_weights(version, str(path), resume)
+        if report.ok:
+            keep_only(path)
+        else:
+            path.unlink(missing_ok=True)
+        return report
+
     async def status(self) -> ReplicaReport:
         return self._report()
 
@@ -154,6 +183,31 @@ class RolloutReplica:
     async def check_health(self) -> None:
         if not self.engine.healthy():
             raise RuntimeError(f"engine {self._args.engine} is not healthy")
+        try:
+            await self._reconcile()
+        except Exception:  # noqa: BLE001 - best effort: it must not fail the health check
+            log.exception("could not converge on the app's desired state")
+
+    async def _reconcile(self) -> None:
+        """Converge on the desired state when a control call missed this replica. A replica
+        that is still starting is not routable, so a start or stop sent then never reaches it:
+        it would record a step the app has stopped, or miss the step being profiled. Serve's
+        health checks (every 2 s) catch that; a difference seen at two checks in a row (any
+        call in flight has landed by then) is put right here."""
+        active = self.engine.status().active_step
+        wanted = (await self._desired.get()).active
+        seen = (active, wanted.step if wanted else None)
+        if seen[0] == seen[1] or self._mismatch != seen:
+            self._mismatch = None if seen[0] == seen[1] else seen
+            return
+        self._mismatch = None
+        if active is not None:
+            log.warning("step %s is no longer profiled by the app; stopping this replica's recording", active)
+            await self.engine.stop_profile(active, pause=False)
+        if wanted is not None and wanted.step not in self._joined_late:
+            log.warning("step %s is profiled by the app but not here; joining it late", wanted.step)
+            self._joined_late.add(wanted.step)
+            await self.engine.start_profile(wanted.model_copy(update={"late_start": True}))
 
     async def __del__(self) -> None:
         await self.engine.shutdown()

@@ -32,6 +32,8 @@ def resolve_weights_path(path: str, allowed_dir: str | os.PathLike) -> Path:
     if not files:
         raise WeightsError(f"path {path!r} holds no .safetensors file")
     for f in files:
+        if not f.resolve().is_relative_to(root):  # a link in an allowed directory
+            raise WeightsError(f"{f.name} in {path!r} links outside the allowed weights directory {root}")
         try:
             with safe_open(str(f), framework="pt"):
                 pass
@@ -41,17 +43,28 @@ def resolve_weights_path(path: str, allowed_dir: str | os.PathLike) -> Path:
 
 
 def safetensors_files(path: Path) -> list[Path]:
+    """The .safetensors files of a file or directory path: regular files only (opening a FIFO
+    named like one would block its reader forever)."""
     if path.is_file():
         return [path] if path.suffix == ".safetensors" else []
-    return sorted(path.glob("*.safetensors"))
+    return sorted(f for f in path.glob("*.safetensors") if f.is_file())
 
 
 def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a safetensors file or directory, on CPU."""
+    """All tensors of a safetensors file or directory, on CPU. A tensor in two files is an
+    error: which copy is meant is not knowable (a stale shard left beside a new checkpoint?)."""
     state: dict[str, torch.Tensor] = {}
+    source: dict[str, str] = {}
     for f in safetensors_files(path):
         try:
-            state.update(load_file(str(f)))
+            shard = load_file(str(f))
         except (SafetensorError, OSError) as e:
             raise WeightsError(f"{f.name} could not be read: {e}") from e
+        if twice := sorted(shard.keys() & state.keys()):
+            raise WeightsError(
+                f"tensor {twice[0]!r} is in both {source[twice[0]]} and {f.name} "
+                f"({len(twice)} tensors in both); keep one checkpoint per directory"
+            )
+        state.update(shard)
+        source.update(dict.fromkeys(shard, f.name))
     return state

@@ -31,7 +31,7 @@ Timeout = Annotated[float, typer.Option(help="Seconds to wait for the app's answ
 def _call(url: str, token: str | None, timeout: float, method: str, *args, **kwargs) -> BaseModel:
     """One call through the client; exits 3 if the app cannot be reached and 1 if it refuses."""
     # No retries: a script calling the CLI decides itself whether to try again.
-    with SyncRolloutClient(url, control_token=token, timeout_s=timeout, retries=0) as client:
+    with SyncRolloutClient(url, control_token=token, timeout_s=timeout, retries=0, backlog_wait_s=0) as client:
         try:
             return getattr(client, method)(*args, **kwargs)
         except RolloutError as e:

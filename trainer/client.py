@@ -2,12 +2,14 @@
 
 Retries only where repeating is safe: reads, and the control calls whose repeat is defined to
 be harmless (start of the active step, stop when idle, the same weight version again), and only
-on connection failures or 502/503/504, never after a 4xx.
+on connection failures or 502/503/504, never after another 4xx. A 429 (the app's trace export
+backlog is full) is waited out, following Retry-After, for up to `backlog_wait_s`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any, TypeVar
 
 import httpx
@@ -51,7 +53,11 @@ class RolloutClient:
         timeout_s: float = 60.0,
         retries: int = 2,
         retry_backoff_s: float = 0.5,
+        backlog_wait_s: float = 600.0,
     ):
+        """`retries`/`retry_backoff_s`: for connection failures and 502/503/504.
+        `backlog_wait_s`: how long a call refused with 429 (earlier steps' traces still
+        exporting) keeps being retried before the 429 is raised."""
         headers = {"Authorization": f"Bearer {control_token}"} if control_token else {}
         self._http = httpx.AsyncClient(
             base_url=base_url.rstrip("/"),
@@ -61,6 +67,7 @@ class RolloutClient:
         )
         self._retries = retries
         self._backoff = retry_backoff_s
+        self._backlog_wait_s = backlog_wait_s
 
     async def __aenter__(self) -> RolloutClient:
         return self
@@ -76,19 +83,26 @@ class RolloutClient:
     ) -> R:
         payload = body.model_dump(mode="json", exclude_none=True) if body is not None else None
         attempts = 1 + (self._retries if retry else 0)
-        for attempt in range(attempts):
+        backlog_deadline = time.monotonic() + self._backlog_wait_s
+        attempt = 0
+        while True:
             try:
                 resp = await self._http.request(method, path, json=payload)
             except httpx.TransportError as e:
-                if attempt + 1 == attempts:
+                if attempt + 1 >= attempts:
                     raise RolloutError(method, path, 0, f"cannot reach the app: {e!r}", []) from e
             else:
                 if resp.status_code < 400:
                     return model.model_validate(resp.json())
-                if resp.status_code not in _RETRY_STATUS or attempt + 1 == attempts:
+                if resp.status_code == 429 and retry:
+                    wait = _retry_after_s(resp)
+                    if time.monotonic() + wait <= backlog_deadline:
+                        await asyncio.sleep(wait)
+                        continue
+                if resp.status_code not in _RETRY_STATUS or attempt + 1 >= attempts:
                     raise _error(method, path, resp)
             await asyncio.sleep(self._backoff * 2**attempt)
-        raise AssertionError("unreachable")
+            attempt += 1
 
     # -- profiling ---------------------------------------------------------------------------
     async def start_profile(self, step: int, **options: Any) -> StartProfileResponse:
@@ -121,6 +135,13 @@ class RolloutClient:
 
     async def models(self) -> ModelList:
         return await self._call("GET", "/v1/models", ModelList, retry=True)
+
+
+def _retry_after_s(resp: httpx.Response) -> float:
+    try:
+        return max(0.1, float(resp.headers.get("Retry-After", "1")))
+    except ValueError:
+        return 1.0
 
 
 def _error(method: str, path: str, resp: httpx.Response) -> RolloutError:

@@ -18,10 +18,10 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterator
-from pathlib import Path
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from concurrent.futures import Executor, ThreadPoolExecutor
-from typing import TypeVar
+from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
 
 from pydantic import BaseModel
 
@@ -32,7 +32,14 @@ from profiling.session import ProfileSession, SessionSpec
 from profiling.store import TraceStore
 from trainer.client import RolloutClient
 
+if TYPE_CHECKING:  # Ray only for trainers that publish through the object store
+    import torch
+
+    from trainer.in_cluster import InClusterWeights
+
 T = TypeVar("T")
+Weights = str | Path | Mapping[str, "torch.Tensor"]
+"""What a sync publishes: a weights path (HTTP), or a state dict (in-cluster, object store)."""
 log = logging.getLogger(__name__)
 
 
@@ -54,13 +61,17 @@ class ProfiledWeightSync:
         rank: int = 0,
         model_executor: Executor | None = None,
         merge_on_complete: bool = False,
+        in_cluster: InClusterWeights | None = None,
     ):
         """`save_path`: where the trainer writes its own traces (None: rollout side only).
+        `in_cluster`: for a trainer in the app's Ray cluster, publishing state dicts through the
+        object store (then `sync`'s `publish` returns the state dict instead of a path).
         `model_executor`: the single thread that runs the trainer's model; trainer profiling
         is started and stopped there (torch.profiler records per thread).
         `merge_on_complete`: merge a step's traces when this process completes its manifest."""
         self.schedule = schedule
         self.client = client
+        self.in_cluster = in_cluster
         self.options = options or ProfileOptions()
         self.active: int | None = None
         self._executor = model_executor or ThreadPoolExecutor(1, thread_name_prefix="trainer-model")
@@ -105,11 +116,12 @@ class ProfiledWeightSync:
             await self._start_trainer(label)
             self.active = label
 
-    async def sync(self, version: int, publish: Callable[[], Awaitable[str | Path]] | str | Path) -> SyncReport:
-        """Publish `version`: write the weights (`publish` returns their path), then
-        stop -> update_weights -> start as the schedule says."""
+    async def sync(self, version: int, publish: Callable[[], Awaitable[Weights]] | str | Path) -> SyncReport:
+        """Publish `version`: write the weights (`publish` returns their path, or with
+        `in_cluster` the state dict itself), then stop -> update_weights -> start as the
+        schedule says."""
         plan = self.schedule.sync(version)
-        path = str(publish if isinstance(publish, (str, Path)) else await publish())
+        weights = publish if isinstance(publish, (str, Path)) else await publish()
         cost = SyncCost(began_at=time.time())
         if plan.stop_step is not None:
             t0 = time.perf_counter()
@@ -117,7 +129,7 @@ class ProfiledWeightSync:
             cost.stop_s = time.perf_counter() - t0
             self.active = None
         t0 = time.perf_counter()
-        await self.client.update_weights(version, path, resume=plan.start_step is None)
+        await self._update_weights(version, weights, resume=plan.start_step is None)
         cost.update_s = time.perf_counter() - t0
         self._version = version
         if plan.start_step is not None:
@@ -133,6 +145,17 @@ class ProfiledWeightSync:
         if plan.start_step is not None:
             await self._start_trainer(plan.start_step)
         return SyncReport(plan=plan, cost=cost)
+
+    async def _update_weights(self, version: int, weights: Weights, *, resume: bool) -> None:
+        if isinstance(weights, (str, Path)):
+            await self.client.update_weights(version, str(weights), resume=resume)
+        elif self.in_cluster is None:
+            raise TypeError(
+                "publish returned a state dict, but this ProfiledWeightSync has no in_cluster "
+                "channel: pass in_cluster=InClusterWeights(app_name), or return a weights path"
+            )
+        else:
+            await self.in_cluster.update_weights(version, weights, resume=resume)
 
     async def end(self) -> None:
         """Stop whatever is active (also after an exception); never raises for a dead app."""

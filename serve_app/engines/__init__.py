@@ -11,17 +11,21 @@ if TYPE_CHECKING:
     from serve_app.engines.external import SessionFactory
 
 ENGINE_TRACE_ROOT = ".engine"
-"""Under save_path: one directory per replica where an engine's own profiler writes, before the
-export moves the files into the step directory (same filesystem, so moves are renames)."""
+"""Under the replica's trace root: one directory per replica where an engine's own profiler
+writes, before the export moves the files into the step directory (same filesystem, so moves are
+renames)."""
 
 
-def create_engine(args: AppArgs, session_factory: SessionFactory, replica_id: str) -> RolloutEngine:
+def create_engine(
+    args: AppArgs, session_factory: SessionFactory, replica_id: str, *, trace_root: Path
+) -> RolloutEngine:
     """Build the engine `args.engine` names. `session_factory` makes the replica's profiling
-    session around the profiler backend the engine brings."""
+    session around the profiler backend the engine brings; `trace_root` is the root of the
+    replica's trace store (save_path, or its node's directory when traces are shipped)."""
     from serve_app.engines.tiny_model import ensure_tiny_model
 
     model_dir = Path(args.model_path) if args.model_path else ensure_tiny_model(args.tiny_model)
-    trace_dir = Path(args.save_path) / ENGINE_TRACE_ROOT / replica_id
+    trace_dir = trace_root / ENGINE_TRACE_ROOT / replica_id
     if args.engine == "transformers":
         from profiling.backends import create_backend
         from serve_app.engines.transformers_engine import TransformersEngine

@@ -34,7 +34,8 @@ def create_fastapi_app() -> FastAPI:
     @app.exception_handler(ControlError)
     async def _control(_: Request, exc: ControlError) -> JSONResponse:
         body = ErrorResponse(detail=exc.detail, replicas=exc.replicas)
-        return JSONResponse(status_code=exc.status, content=body.model_dump(mode="json"))
+        headers = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s is not None else None
+        return JSONResponse(status_code=exc.status, content=body.model_dump(mode="json"), headers=headers)
 
     return app
 

@@ -47,7 +47,8 @@ class OpenAIRoutesMixin:
                 *(self.replicas.complete.remote(p, body, i) for i, p in enumerate(prompts))
             )
         except ValueError as e:
-            raise ControlError(422, f"prompt: {e}") from e
+            # The replica's own message, not Ray's wrapper around it (a remote traceback).
+            raise ControlError(422, f"prompt: {getattr(e, 'cause', e)}") from e
         prompt_tokens = sum(len(c.prompt_token_ids) for c in choices)
         completion_tokens = sum(len(c.token_ids) for c in choices)
         return CompletionResponse(

@@ -32,7 +32,10 @@ class OpsRoutesMixin:
 
     async def metrics(self) -> Response:
         """Prometheus text exposition of the control plane, with the replicas' state as of now."""
-        await asyncio.to_thread(refresh_exports, self.control.store)  # reads manifests: off the loop
+        try:
+            await asyncio.to_thread(refresh_exports, self.control.store)  # reads manifests: off the loop
+        except OSError:  # save_path unreadable: the export series wait, the rest is still served
+            log.exception("metrics: could not read manifests under %s", self.control.store.root)
         try:
             fleet = await self.control.status(timeout_s=SCRAPE_STATUS_TIMEOUT_S)
         except Exception:  # noqa: BLE001 - the counters and histograms must still be served

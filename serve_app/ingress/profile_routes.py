@@ -21,9 +21,11 @@ _guard = {"dependencies": [Depends(require_control_token)], "tags": ["profile"]}
 _errors = {
     409: {"model": ErrorResponse},
     422: {"model": ErrorResponse},
+    429: {"model": ErrorResponse, "description": "Too many earlier steps still exporting; retry after Retry-After."},
     503: {"model": ErrorResponse},
     507: {"model": ErrorResponse},
 }
+_unreadable = {"model": ErrorResponse, "description": "save_path cannot be read, or the step's records could not be written there (names what was lost)."}
 
 
 class ProfileRoutesMixin:
@@ -33,8 +35,10 @@ class ProfileRoutesMixin:
         "start_profile": lambda app: app.post("/profile/start", responses=_errors, **_guard),
         "stop_profile": lambda app: app.post("/profile/stop", responses=_errors, **_guard),
         "profile_status": lambda app: app.get("/profile/status", **_guard),
-        "profile_steps": lambda app: app.get("/profile/steps", **_guard),
-        "profile_step": lambda app: app.get("/profile/steps/{k}", responses={404: {"model": ErrorResponse}}, **_guard),
+        "profile_steps": lambda app: app.get("/profile/steps", responses={507: _unreadable}, **_guard),
+        "profile_step": lambda app: app.get(
+            "/profile/steps/{k}", responses={404: {"model": ErrorResponse}, 507: _unreadable}, **_guard
+        ),
     }
 
     async def start_profile(self, body: StartProfileRequest) -> StartProfileResponse:

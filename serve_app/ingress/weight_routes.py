@@ -1,11 +1,15 @@
-"""/weights/update: load a new parameter version on every replica."""
+"""/weights/update: load a new parameter version on every replica; and its in-cluster form,
+reached through the app's DeploymentHandle instead of HTTP."""
 
 from __future__ import annotations
 
+import ray
 from fastapi import Depends
+from pydantic import ValidationError
 
-from serve_app.api import ErrorResponse, UpdateWeightsRequest, UpdateWeightsResponse
-from serve_app.control import ControlPlane
+from profiling.config import describe_validation_error
+from serve_app.api import ErrorResponse, InClusterWeightsRequest, UpdateWeightsRequest, UpdateWeightsResponse
+from serve_app.control import ControlError, ControlPlane
 from serve_app.ingress.auth import require_control_token
 
 
@@ -24,3 +28,15 @@ class WeightRoutesMixin:
     async def update_weights(self, body: UpdateWeightsRequest) -> UpdateWeightsResponse:
         """Load `path` as `version` on every replica between engine steps."""
         return await self.control.update_weights(body)
+
+    async def update_weights_in_cluster(
+        self, version: int, refs: list[ray.ObjectRef], resume: bool = True
+    ) -> UpdateWeightsResponse:
+        """Not an HTTP route: a trainer in the same Ray cluster calls it through
+        `serve.get_app_handle(app)` with `[ray.put(state_dict)]`, and every replica, on every
+        node, fetches the weights from the object store (trainer/in_cluster.py wraps it)."""
+        try:
+            req = InClusterWeightsRequest(version=version, resume=resume)
+        except ValidationError as e:
+            raise ControlError(422, describe_validation_error(e)) from None
+        return await self.control.update_weights_in_cluster(req, refs)

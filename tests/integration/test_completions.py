@@ -67,6 +67,14 @@ def test_token_id_prompt(http):
     assert complete(http, [5, 6, 7], max_tokens=2)["choices"][0]["prompt_token_ids"] == [5, 6, 7]
 
 
+def test_token_ids_out_of_range_are_422_with_the_replicas_message(http):
+    r = http.post("/v1/completions", json={"prompt": [1, 2, 10**6], "max_tokens": 2})
+    assert r.status_code == 422, r.text
+    detail = r.json()["detail"]
+    assert "out of range" in detail and "1000000" in detail
+    assert "Traceback" not in detail and "ray" not in detail.lower(), "Ray's wrapper must not leak"
+
+
 def test_logprobs_match_tokens(http):
     body = complete(http, "Questions and answers", max_tokens=6, logprobs=1)
     ch = body["choices"][0]

@@ -126,5 +126,11 @@ def test_metrics_follow_a_profiled_weight_sync(app, http, model_dir):
         return now if value(now, exports) >= value(before, exports) + 2 * REPLICAS else None
 
     counted = poll(exports_counted, timeout=30, what="the controller to count both steps' exports")
+    # Both steps' exports were collected: the backlog that bounds starts (429) is empty again.
+    def backlog_drained() -> Samples | None:
+        now = scrape(http)
+        return now if value(now, "rollout_profiler_exporting_steps") == 0 else None
+
+    poll(backlog_drained, timeout=30, what="the export backlog gauge to drain to 0")
     assert value(counted, exports) == value(before, exports) + 2 * REPLICAS
     assert value(counted, trace_bytes) == value(before, trace_bytes) + written

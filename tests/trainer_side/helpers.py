@@ -18,6 +18,9 @@ import httpx
 MARKER = re.compile(r"^forward_step#(\d+) step=(\d+) weight_version=(\d+)$")
 WEIGHT_UPDATE = re.compile(r"^weight_update version=(\d+)$")
 REPO_ROOT = Path(__file__).resolve().parents[2]
+RAY_STARTUP_TIMEOUT = "timed out during startup"
+"""Ray's raylet has a fixed 30 s startup deadline that an overloaded 2-core box can miss: an
+environment failure before a job did anything, worth one more run."""
 
 
 def training_config(app: Any, *overrides: str):

@@ -52,7 +52,8 @@ CONFLICT_BODY = {
 
 class FakeRolloutApp:
     """A fake of the rollout app's HTTP API: every (method, path) answers from a script of
-    (status, body) pairs, taken in order, the last one repeating; every request is recorded."""
+    (status, body[, headers]) tuples, taken in order, the last one repeating; every request is
+    recorded."""
 
     def __init__(self) -> None:
         self.script: dict[tuple[str, str], list[tuple[int, Any]]] = {}
@@ -71,10 +72,10 @@ class FakeRolloutApp:
             answers = self.script.get(key)
             if not answers:
                 return JSONResponse({"detail": f"fake: nothing scripted for {key}"}, status_code=404)
-            status, body = answers.pop(0) if len(answers) > 1 else answers[0]
+            status, body, *headers = answers.pop(0) if len(answers) > 1 else answers[0]
             if isinstance(body, str):
                 return PlainTextResponse(body, status_code=status)
-            return JSONResponse(body, status_code=status)
+            return JSONResponse(body, status_code=status, headers=headers[0] if headers else None)
 
     def reset(self) -> None:
         self.script.clear()
@@ -108,10 +109,36 @@ def fake(fake_server: FakeRolloutApp) -> FakeRolloutApp:
 
 
 def make_client(base_url: str, **kw: Any) -> RolloutClient:
-    return RolloutClient(base_url, retries=2, retry_backoff_s=0.01, **kw)
+    return RolloutClient(base_url, **{"retries": 2, "retry_backoff_s": 0.01, **kw})
 
 
 # -- trainer/client.py ---------------------------------------------------------------------------
+
+BACKLOG_BODY = {"detail": "export backlog full: the traces of steps 1, 2 are still being written"}
+START_BODY = {"step": 3, "steps": [3], "state": "profiling", "replicas": []}
+
+
+async def test_429_export_backlog_is_waited_out_following_retry_after(fake):
+    fake.script[("POST", "/profile/start")] = [
+        (429, BACKLOG_BODY, {"Retry-After": "0.2"}),
+        (429, BACKLOG_BODY, {"Retry-After": "0.2"}),
+        (200, START_BODY),
+    ]
+    async with make_client(fake.base_url, retries=0) as client:
+        t0 = time.perf_counter()
+        resp = await client.start_profile(3)
+    assert resp.state == "profiling"
+    assert fake.attempts[("POST", "/profile/start")] == 3, "429s do not use up the transport retries"
+    assert time.perf_counter() - t0 >= 0.4, "Retry-After was not honoured"
+
+
+async def test_429_past_backlog_wait_raises_with_the_apps_message(fake):
+    fake.script[("POST", "/profile/start")] = [(429, BACKLOG_BODY, {"Retry-After": "0.2"})]
+    async with make_client(fake.base_url, backlog_wait_s=0.5) as client:
+        with pytest.raises(RolloutError) as info:
+            await client.start_profile(3)
+    assert info.value.status == 429 and "export backlog full" in info.value.detail
+    assert 2 <= fake.attempts[("POST", "/profile/start")] <= 4
 
 
 async def test_409_raises_rollout_error_with_detail_and_replica_failures(fake):

@@ -1,5 +1,7 @@
-"""The main job exactly as a user runs it: `python -m trainer --config config/trainer.yaml ...`
-in a subprocess that starts its own private Ray + rollout app, then the traces it leaves."""
+"""The main job exactly as a user runs it, then the traces it leaves. The default run is the quick
+start's main-job block, README.md's first command as written (the session fixture
+`quickstart_main_job`, shared with test_quickstart.py so CI runs the job once); a second run with
+its own overrides checks the end of the job."""
 
 from __future__ import annotations
 
@@ -14,14 +16,12 @@ import yaml
 
 from analysis.browser import assert_report_rendered, screenshot
 
-from .helpers import MARKER, REPO_ROOT, by_role, entry_markers, read_manifest, read_trace
+from .helpers import MARKER, RAY_STARTUP_TIMEOUT, REPO_ROOT, by_role, entry_markers, read_manifest, read_trace
+from .quickstart import MAIN_JOB_TIMEOUT_S
 
 CLI_TIMEOUT_S = 600
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(CLI_TIMEOUT_S + 180)]
-
-# The CLI tears the app down before it waits for the manifests, so a rollout export still running
-# when training ends is cut off (see test_last_step_export_survives_the_end_of_the_job).
-RAY_STARTUP_TIMEOUT = "timed out during startup"
+# The first test here also runs the session's quick-start main job (pip + 30 versions).
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(MAIN_JOB_TIMEOUT_S + 180)]
 
 
 @dataclass
@@ -54,8 +54,6 @@ def run_cli(tmp: Path, *overrides: str, retried: bool = False) -> CliRun:
         pytest.fail(f"CLI ran past {CLI_TIMEOUT_S}s\n--- stdout tail ---\n{out[-6000:]}\n--- stderr tail ---\n{err[-3000:]}")
     run = CliRun(proc.returncode, proc.stdout, proc.stderr, profile)
     if run.returncode != 0 and RAY_STARTUP_TIMEOUT in proc.stderr and not retried:
-        # Ray's raylet has a fixed 30 s startup deadline that an overloaded 2-core box can miss:
-        # an environment failure before the job did anything, so run the job once more.
         return run_cli(tmp / "retry", *overrides, retried=True)
     return run
 
@@ -85,10 +83,10 @@ def check_step(run: CliRun, k: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def main_job(tmp_path_factory) -> CliRun:
-    return run_cli(
-        tmp_path_factory.mktemp("main-job"), "global_profiler.steps=[1,2,5]", "trainer.total_versions=6"
-    )
+def main_job(quickstart_main_job) -> CliRun:
+    """README.md's main job as written: config/trainer.yaml's steps [1, 2, 5] into outputs/profile."""
+    run = quickstart_main_job
+    return CliRun(run.returncode, run.stdout, run.stderr, REPO_ROOT / "outputs" / "profile")
 
 
 def test_main_job_exits_0_with_exactly_the_profiled_step_dirs(main_job):

@@ -329,3 +329,15 @@ def test_concurrent_entry_writes_and_refreshes_keep_all_entries(store: TraceStor
     assert len(m.entries) == n
     assert m.status == "complete"
     assert temp_files(store.root) == []
+
+
+def test_set_aside_moves_an_earlier_run_of_a_step_out_of_the_listing(tmp_path):
+    store = TraceStore(tmp_path)
+    assert store.set_aside(3) is None
+    old = store.rollout_dir(3, "r-old")
+    old.mkdir(parents=True)
+    (old / "trace.pt.trace.json.gz").write_bytes(b"earlier run")
+    moved = store.set_aside(3)
+    assert moved is not None and moved.name.startswith("step_3.replaced-")
+    assert (moved / "rollout" / "r-old" / "trace.pt.trace.json.gz").read_bytes() == b"earlier run"
+    assert not store.step_dir(3).exists() and store.steps() == []

@@ -1,0 +1,255 @@
+"""Render the HTTP route reference of docs/http_api.md from the ingress's OpenAPI schema.
+
+    python -m serve_app.openapi_doc            # rewrite the generated part of docs/http_api.md
+    python -m serve_app.openapi_doc --check    # exit 1 if it is out of date with the code
+
+The schema comes from the same FastAPI app the ingress serves at `/openapi.json`, built from the
+ingress class's route mixins without starting Ray (importing the app module imports Ray's
+Python package, which starts nothing). Only the part of the page between the two markers is
+generated; the rest of the page is written by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "http_api.md"
+REGENERATE = "python -m serve_app.openapi_doc"
+BEGIN = f"<!-- BEGIN GENERATED ROUTE REFERENCE: `{REGENERATE}` writes this part; do not edit it by hand -->"
+END = "<!-- END GENERATED ROUTE REFERENCE -->"
+
+# FastAPI's default 422 model; the app's own handler answers {"detail": str, "errors": [...]}.
+_FASTAPI_VALIDATION = "HTTPValidationError"
+_GENERIC_DESCRIPTIONS = {"Successful Response", "Validation Error", "Additional Response"}
+_STATUS_TEXT = {
+    200: "OK",
+    401: "Unauthorized",
+    404: "Not Found",
+    409: "Conflict",
+    422: "Unprocessable Entity",
+    429: "Too Many Requests",
+    503: "Service Unavailable",
+    507: "Insufficient Storage",
+}
+
+
+def ingress_app() -> FastAPI:
+    """The ingress's FastAPI app with every route of `serve_app.app.RolloutIngress`.
+
+    The routes come from the mixins in the ingress class's MRO (each declares its `ENDPOINTS`),
+    so a mixin added to the ingress shows up here without a change to this module."""
+    from serve_app.app import RolloutIngress
+    from serve_app.ingress.builder import create_fastapi_app, make_ingress
+
+    mixins = tuple(c for c in RolloutIngress.__mro__ if "ENDPOINTS" in vars(c))
+    endpoints: dict[str, Any] = {}
+    for mixin in mixins:  # in MRO order, as the app registers them; the first mixin wins
+        for name, route in mixin.ENDPOINTS.items():
+            endpoints.setdefault(name, route)
+    app = create_fastapi_app()
+    make_ingress(type("IngressRoutes", mixins, {}), endpoints, app)
+    return app
+
+
+def build_openapi() -> dict[str, Any]:
+    """The OpenAPI schema the running app serves at /openapi.json."""
+    return ingress_app().openapi()
+
+
+# -- rendering ------------------------------------------------------------------------------
+
+
+def _number(value: float) -> str:
+    if abs(value) >= 1e12:
+        return f"{value:.3g}"
+    return str(int(value)) if float(value).is_integer() else str(value)
+
+
+def _ref_name(schema: dict[str, Any]) -> str | None:
+    ref = schema.get("$ref")
+    return ref.rsplit("/", 1)[-1] if ref else None
+
+
+def _type(schema: dict[str, Any]) -> str:
+    """A JSON schema as a short Markdown type: `integer, >= 1`, `StepManifest`, `string or null`."""
+    if (name := _ref_name(schema)) is not None:
+        return f"[`{name}`](#{name.lower()})"
+    if "anyOf" in schema:
+        return " or ".join(_type(s) for s in schema["anyOf"])
+    if "const" in schema:
+        return f"`{_json(schema['const'])}`"
+    if "enum" in schema:
+        return " \\| ".join(f"`{_json(v)}`" for v in schema["enum"])
+    kind = schema.get("type")
+    if kind == "array":
+        text = f"array of {_type(schema.get('items', {}))}"
+    elif kind == "object" and isinstance(schema.get("additionalProperties"), dict):
+        text = f"object of {_type(schema['additionalProperties'])}"
+    elif kind is None:
+        text = "any"
+    else:
+        text = "null" if kind == "null" else kind
+    return text + _constraints(schema)
+
+
+def _constraints(schema: dict[str, Any]) -> str:
+    rules = []
+    for key, sign in (("minimum", ">="), ("exclusiveMinimum", ">"), ("maximum", "<="), ("exclusiveMaximum", "<")):
+        if key in schema:
+            rules.append(f"{sign} {_number(schema[key])}")
+    for key, sign in (("minLength", ">="), ("minItems", ">=")):
+        if key in schema and schema[key] > 0:
+            rules.append(f"length {sign} {schema[key]}")
+    if "maxLength" in schema:
+        rules.append(f"length <= {schema['maxLength']}")
+    if "pattern" in schema:
+        rules.append(f"matching `{schema['pattern']}`")
+    return f", {', '.join(rules)}" if rules else ""
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value)
+
+
+def _cell(text: str) -> str:
+    return " ".join(text.split()).replace("|", "\\|")
+
+
+def _fields_table(schema: dict[str, Any]) -> list[str]:
+    required = set(schema.get("required", []))
+    lines = ["| field | type | default | description |", "|---|---|---|---|"]
+    for name, prop in schema.get("properties", {}).items():
+        if name in required:
+            default = "required"
+        elif "default" in prop:
+            default = f"`{_json(prop['default'])}`"
+        else:
+            default = ""
+        lines.append(f"| `{name}` | {_type(prop)} | {default} | {_cell(prop.get('description', ''))} |")
+    return lines
+
+
+def _json_schema(content: dict[str, Any]) -> dict[str, Any] | None:
+    media = content.get("application/json")
+    return None if media is None else media.get("schema")
+
+
+def _responses(op: dict[str, Any], guarded: bool) -> list[str]:
+    lines = ["| status | body | when |", "|---|---|---|"]
+    answers = dict(op["responses"])
+    if guarded:
+        answers.setdefault("401", {"description": "missing or wrong `Authorization: Bearer <control_token>`"})
+    for code in sorted(answers, key=int):
+        answer = answers[code]
+        schema = _json_schema(answer.get("content", {}))
+        name = _ref_name(schema) if schema else None
+        if name == _FASTAPI_VALIDATION:
+            body = "validation error: `detail` (string), `errors` (array)"
+        elif schema is None:
+            body = "`detail` (string)" if code == "401" else ""
+        elif schema:
+            body = _type(schema)
+        else:
+            body = "not described by the schema (see above)"
+        description = answer.get("description", "")
+        when = "" if description in _GENERIC_DESCRIPTIONS or description == _STATUS_TEXT.get(int(code)) else description
+        lines.append(f"| {code} {_STATUS_TEXT.get(int(code), '')} | {body} | {_cell(when)} |")
+    return lines
+
+
+def _referenced(node: Any, found: set[str]) -> None:
+    if isinstance(node, dict):
+        if (name := _ref_name(node)) is not None:
+            found.add(name)
+        for value in node.values():
+            _referenced(value, found)
+    elif isinstance(node, list):
+        for value in node:
+            _referenced(value, found)
+
+
+def render_reference(spec: dict[str, Any]) -> str:
+    """The generated part of docs/http_api.md (without the markers)."""
+    schemas: dict[str, Any] = spec.get("components", {}).get("schemas", {})
+    out: list[str] = []
+    inline: set[str] = set()
+    for path, ops in spec["paths"].items():
+        for method, op in ops.items():
+            params = op.get("parameters", [])
+            guarded = any(p["in"] == "header" and p["name"].lower() == "authorization" for p in params)
+            out += [f"### `{method.upper()} {path}`", "", op.get("description") or op.get("summary", ""), ""]
+            if guarded:
+                out += ["Needs `Authorization: Bearer <control_token>` when the app sets `control_token`.", ""]
+            path_params = [p for p in params if p["in"] != "header"]
+            if path_params:
+                out += ["| parameter | in | type |", "|---|---|---|"]
+                out += [f"| `{p['name']}` | {p['in']} | {_type(p['schema'])} |" for p in path_params]
+                out.append("")
+            body = op.get("requestBody")
+            if body is not None:
+                schema = _json_schema(body["content"]) or {}
+                name = _ref_name(schema)
+                model = schemas.get(name, schema) if name else schema
+                inline.add(name or "")
+                strict = " Unknown fields are refused (422)." if model.get("additionalProperties") is False else ""
+                out += [f"Request body: `{name}` (JSON).{strict}", ""]
+                out += _fields_table(model)
+                out.append("")
+            out += _responses(op, guarded)
+            out.append("")
+    used: set[str] = set()
+    _referenced({p: ops for p, ops in spec["paths"].items()}, used)
+    closure = set()
+    while used - closure:
+        name = sorted(used - closure)[0]
+        closure.add(name)
+        _referenced(schemas.get(name, {}), used)
+    closure -= inline | {_FASTAPI_VALIDATION, "ValidationError"}
+    out += ["## Bodies", ""]
+    for name in sorted(closure):
+        schema = schemas[name]
+        out += [f"### {name}", ""]
+        if schema.get("description"):
+            out += [_cell(schema["description"]), ""]
+        out += _fields_table(schema)
+        out.append("")
+    return "\n".join(out).rstrip() + "\n"
+
+
+def splice(page: str, reference: str) -> str:
+    """`page` with the text between the markers replaced by `reference`."""
+    head, sep, rest = page.partition(BEGIN)
+    _, sep2, tail = rest.partition(END)
+    if not sep or not sep2:
+        raise ValueError(f"the page has no {BEGIN!r} ... {END!r} block")
+    return f"{head}{BEGIN}\n\n{reference}\n{END}{tail}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Write (or with --check, verify) the generated part of docs/http_api.md."""
+    parser = argparse.ArgumentParser(prog="python -m serve_app.openapi_doc", description=__doc__.split("\n")[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 if the page is out of date")
+    parser.add_argument("--doc", type=Path, default=DOC, help="the page to update (default: %(default)s)")
+    args = parser.parse_args(argv)
+    page = args.doc.read_text()
+    fresh = splice(page, render_reference(build_openapi()))
+    if args.check:
+        if fresh != page:
+            print(f"{args.doc} is out of date with the app's routes; regenerate it: {REGENERATE}", file=sys.stderr)
+            return 1
+        return 0
+    if fresh != page:
+        args.doc.write_text(fresh)
+        print(f"updated {args.doc}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

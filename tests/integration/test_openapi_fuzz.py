@@ -1,0 +1,192 @@
+"""Fuzz every route of the running app from its own OpenAPI schema (GET /openapi.json) with
+schemathesis: valid and invalid path parameters, headers and bodies, none may answer >= 500
+(DESIGN §4: malformed input is a 422 naming the field, never a bare 500).
+
+The app has a control token, so the control routes are fuzzed past the auth guard (most
+requests carry the token, the others the schema's generated Authorization header). Between
+requests the fuzz steers the state so handlers are reached, not only validation: a step is
+active when stops are fuzzed, a successful start or stop is undone, and some weight updates
+name a real checkpoint inside weights_dir. A 429 (export backlog full) is an answer, not a
+failure: rapid start/stop cycles are what the fuzz does.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import shutil
+from collections.abc import Iterator
+
+import pytest
+import requests
+import schemathesis
+from conftest import ServeApp, deploy
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from integ_util import client, ok, status
+from schemathesis import GenerationMode
+from schemathesis.checks import not_a_server_error
+
+pytestmark = pytest.mark.integration
+
+TOKEN = "fuzz-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+FUZZ_STEP = 950
+BASE_WEIGHTS = "base.safetensors"
+
+# Every operation the schema must have, with how many examples each gets (positive and
+# negative together), in the order they run: steps are recorded before they are looked up.
+OPERATIONS: dict[tuple[str, str], int] = {
+    ("GET", "/health"): 5,
+    ("GET", "/metrics"): 5,
+    ("GET", "/v1/models"): 5,
+    ("POST", "/v1/completions"): 50,
+    ("GET", "/profile/status"): 15,
+    ("POST", "/profile/start"): 60,
+    ("POST", "/profile/stop"): 60,
+    ("POST", "/weights/update"): 60,
+    ("GET", "/profile/steps"): 15,
+    ("GET", "/profile/steps/{k}"): 30,
+}
+STATEFUL = {"/profile/start", "/profile/stop", "/weights/update"}
+
+
+@pytest.fixture(scope="module")
+def fuzz_app(ray_cluster, model_dir, tmp_path_factory) -> Iterator[ServeApp]:
+    from ray import serve
+
+    served = deploy(
+        ray_cluster, model_dir, tmp_path_factory.mktemp("fuzz"), "fuzz", control_token=TOKEN, merge_on_complete=False
+    )
+    shutil.copyfile(model_dir / "model.safetensors", served.weights_dir / BASE_WEIGHTS)
+    try:
+        yield served
+    finally:
+        serve.delete(served.name)
+
+
+@pytest.fixture(scope="module")
+def schema(fuzz_app):
+    return schemathesis.openapi.from_url(f"{fuzz_app.base_url}/openapi.json", timeout=30)
+
+
+@pytest.fixture(scope="module")
+def http(fuzz_app):
+    with client(fuzz_app.base_url, token=TOKEN) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def session() -> Iterator[requests.Session]:
+    with requests.Session() as s:
+        yield s
+
+
+def reopen(http) -> None:
+    """Leave the app idle and admitting: stop any step, then the same version with resume."""
+    st_ = status(http)
+    if st_["active_step"] is not None:
+        ok(http.post("/profile/stop", json={"step": st_["active_step"]}))
+    ok(http.post("/weights/update", json={"version": status(http)["weight_version"], "path": BASE_WEIGHTS}))
+
+
+def ensure_active(http) -> int | None:
+    """The active step, starting FUZZ_STEP if idle (None: the start was refused, e.g. 429)."""
+    active = status(http)["active_step"]
+    if active is None:
+        r = http.post("/profile/start", json={"step": FUZZ_STEP})
+        active = r.json()["step"] if r.status_code == 200 else None
+    return active
+
+
+def steer(path: str, case, data, http) -> None:
+    """Point some cases at real state, so handlers run past validation."""
+    body = case.body if isinstance(case.body, dict) else None
+    if path == "/profile/stop":
+        active = ensure_active(http)
+        if active is not None and body is not None and data.draw(st.booleans(), label="stop the active step"):
+            body["step"] = active
+    elif path == "/weights/update" and body is not None and data.draw(st.booleans(), label="a real checkpoint"):
+        body["path"] = data.draw(st.sampled_from([BASE_WEIGHTS, f"./{BASE_WEIGHTS}", f"../weights/{BASE_WEIGHTS}"]))
+        if data.draw(st.booleans(), label="the served version"):
+            body["version"] = status(http)["weight_version"]
+    elif path == "/profile/steps/{k}" and data.draw(st.booleans(), label="a recorded step"):
+        recorded = ok(http.get("/profile/steps"))["steps"]
+        if recorded:
+            case.path_parameters = {"k": data.draw(st.sampled_from([s["step"] for s in recorded]))}
+
+
+def test_schema_has_every_route(schema):
+    """The fuzz below covers exactly the schema's operations: a new route must be added here."""
+    found = {(op.ok().method.upper(), op.ok().path) for op in schema.get_all_operations()}
+    assert found == set(OPERATIONS), found ^ set(OPERATIONS)
+
+
+@pytest.mark.parametrize(("method", "path"), list(OPERATIONS), ids=[f"{m} {p}" for m, p in OPERATIONS])
+def test_no_request_is_a_server_error(fuzz_app, schema, http, session, method, path):
+    operation = schema[path][method]
+    modes = [GenerationMode.POSITIVE]
+    if any(len(part) for part in (operation.path_parameters, operation.headers, operation.query, operation.body)):
+        modes.append(GenerationMode.NEGATIVE)  # something to get wrong
+    cases = st.one_of(*(operation.as_strategy(generation_mode=m) for m in modes))
+    seen: collections.Counter[int] = collections.Counter()
+
+    @settings(
+        max_examples=OPERATIONS[(method, path)],
+        deadline=None,
+        database=None,
+        derandomize=True,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(case=cases, data=st.data())
+    def fuzz(case, data):
+        steer(path, case, data, http)
+        # Most requests carry the token; the others keep the generated Authorization header.
+        headers = None if data.draw(st.integers(0, 4), label="no token") == 4 else AUTH
+        response = case.call(base_url=fuzz_app.base_url, session=session, headers=headers, timeout=120)
+        seen[response.status_code] += 1
+        case.validate_response(response, checks=[not_a_server_error])
+        if response.status_code == 200 and path in STATEFUL:
+            reopen(http)
+
+    try:
+        fuzz()
+    finally:
+        reopen(http)
+    # The fuzz reached past validation and auth.
+    assert seen[200] >= 1, seen
+    if path in STATEFUL or path == "/v1/completions":
+        assert seen[422] >= 1, seen
+    if path == "/profile/stop":
+        assert seen[409] >= 1, seen  # a stop of a step that is not the active one
+    if path.startswith(("/profile", "/weights")):
+        assert seen[401] >= 1, seen
+
+
+# -- what a JSON schema cannot generate: non-finite numbers ---------------------------------------
+
+NON_FINITE = ["NaN", "Infinity", "-Infinity", "1e999"]
+NUMERIC_FIELDS = [
+    ("/profile/start", {"step": FUZZ_STEP}, "max_duration_s"),
+    ("/profile/start", {"step": FUZZ_STEP}, "max_forward_steps"),
+    ("/profile/start", {}, "step"),
+    ("/profile/stop", {}, "step"),
+    ("/weights/update", {"path": BASE_WEIGHTS}, "version"),
+    ("/v1/completions", {"prompt": "Red green", "max_tokens": 2}, "temperature"),
+    ("/v1/completions", {"prompt": "Red green"}, "max_tokens"),
+    ("/v1/completions", {"prompt": "Red green", "max_tokens": 2}, "seed"),
+]
+
+
+@pytest.mark.parametrize(("route", "body", "field"), NUMERIC_FIELDS, ids=[f"{r}:{f}" for r, _, f in NUMERIC_FIELDS])
+def test_non_finite_numbers_are_422(http, route, body, field):
+    """Python's json (and so the server) reads NaN and Infinity literals; they must be a 422
+    naming the field, and echoing them back must not break the JSON answer."""
+    try:
+        for literal in NON_FINITE:
+            raw = json.dumps(body)[:-1] + (", " if body else "") + f'"{field}": {literal}}}'
+            r = http.post(route, content=raw, headers={"Content-Type": "application/json"})
+            assert r.status_code == 422, (raw, r.status_code, r.text)
+            assert field in r.json()["detail"], (raw, r.text)
+    finally:
+        reopen(http)
