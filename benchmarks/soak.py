@@ -23,6 +23,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Annotated
 
 import httpx
 import typer
@@ -203,9 +204,10 @@ def main(
     clients: int = typer.Option(8, min=1),
     update_every: int = typer.Option(10, min=1),
     replicas: int = typer.Option(2, min=1),
-    replica_env: list[str] = typer.Option(
-        [], "--replica-env", help="KEY=VALUE for the replica processes, e.g. LD_PRELOAD=<libjemalloc.so.2>."
-    ),
+    replica_env: Annotated[
+        list[str] | None,
+        typer.Option("--replica-env", help="KEY=VALUE for the replica processes, e.g. LD_PRELOAD=<libjemalloc.so.2>."),
+    ] = None,
 ) -> None:
     from rich.console import Console
     from rich.progress import Progress
@@ -225,7 +227,7 @@ def main(
         "weights_dir": str(weights_dir),
         "model_path": str(model),
         "min_free_disk_mb": 1,
-        "replica_env": dict(kv.split("=", 1) for kv in replica_env),
+        "replica_env": dict(kv.split("=", 1) for kv in replica_env or []),
     }
     with local_cluster() as port:
         url = run_app(port, "soak", args)

@@ -122,6 +122,11 @@ class ProfiledWeightSync:
         schedule says."""
         plan = self.schedule.sync(version)
         weights = publish if isinstance(publish, (str, Path)) else await publish()
+        if not isinstance(weights, (str, Path)) and self.in_cluster is None:  # before any call
+            raise TypeError(
+                "publish returned a state dict, but this ProfiledWeightSync has no in_cluster "
+                "channel: pass in_cluster=InClusterWeights(app_name), or return a weights path"
+            )
         cost = SyncCost(began_at=time.time())
         if plan.stop_step is not None:
             t0 = time.perf_counter()
@@ -149,12 +154,8 @@ class ProfiledWeightSync:
     async def _update_weights(self, version: int, weights: Weights, *, resume: bool) -> None:
         if isinstance(weights, (str, Path)):
             await self.client.update_weights(version, str(weights), resume=resume)
-        elif self.in_cluster is None:
-            raise TypeError(
-                "publish returned a state dict, but this ProfiledWeightSync has no in_cluster "
-                "channel: pass in_cluster=InClusterWeights(app_name), or return a weights path"
-            )
         else:
+            assert self.in_cluster is not None  # checked in sync(), before the stop
             await self.in_cluster.update_weights(version, weights, resume=resume)
 
     async def end(self) -> None:

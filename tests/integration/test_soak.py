@@ -31,7 +31,7 @@ async def test_soak_100_cycles_loses_nothing_and_does_not_grow(app, model_dir):
     assert report.requests_ok > 100
     assert report.incomplete_manifests == []
     assert report.updates == 10
-    warm, middle, end = report.stats["warm"], report.stats["middle"], report.stats["end"]
+    warm, end = report.stats["warm"], report.stats["end"]
     assert warm.processes == end.processes == 3  # 2 rollout replicas + the ingress
     # After warm-up, descriptors and threads stay put.
     assert end.fds <= warm.fds + 30, report.stats

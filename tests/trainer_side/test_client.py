@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
@@ -418,3 +419,57 @@ def test_end_swallows_a_failing_stop_and_keeps_the_original_error():
 def test_unprofiled_run_makes_no_profiling_call():
     client, phases = _record_syncs(StepSchedule(None), range(1, 4))
     assert client.calls == [("update", 1, True), ("update", 2, True), ("update", 3, True)]
+
+
+class FakeInCluster:
+    """Records what an InClusterWeights would publish through the object store."""
+
+    def __init__(self, client: FakeClient) -> None:
+        self.client = client
+
+    async def update_weights(self, version: int, state_dict: dict, *, resume: bool = True) -> None:
+        self.client.calls.append(("update_in_cluster", version, resume, sorted(state_dict)))
+
+
+def test_a_state_dict_goes_through_the_in_cluster_channel_in_the_same_order():
+    client = FakeClient()
+    state = {"w": torch.zeros(2)}
+
+    async def publish() -> dict:
+        return state
+
+    async def go() -> None:
+        sync = ProfiledWeightSync(StepSchedule([1, 2]), client, save_path=None, in_cluster=FakeInCluster(client))
+        try:
+            async with sync:
+                await sync.sync(1, publish)
+        finally:
+            sync.shutdown()
+
+    asyncio.run(go())
+    assert client.calls == [
+        ("start", 1),
+        ("stop", 1, True),
+        ("update_in_cluster", 1, False, ["w"]),
+        ("start", 2),
+        ("stop", 2, False),
+    ]
+
+
+def test_a_state_dict_without_an_in_cluster_channel_is_refused_before_any_call():
+    client = FakeClient()
+
+    async def publish() -> dict:
+        return {"w": torch.zeros(2)}
+
+    async def go() -> None:
+        sync = ProfiledWeightSync(StepSchedule([1, 2]), client, save_path=None)
+        sync.active = 1  # step 1 is being profiled
+        try:
+            with pytest.raises(TypeError, match="in_cluster=InClusterWeights"):
+                await sync.sync(1, publish)
+        finally:
+            sync.shutdown()
+
+    asyncio.run(go())
+    assert client.calls == [], "no stop may be sent for a sync that cannot update the weights"
