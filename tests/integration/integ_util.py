@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import re
+import signal
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +22,7 @@ import httpx
 T = TypeVar("T")
 
 HTTP_TIMEOUT_S = 60.0
+RESTART_TIMEOUT_S = 120.0
 MARKER = re.compile(r"^forward_step#(\d+) step=(\d+) weight_version=(\d+)$")
 PROMPTS = [
     "The rollout server answers prompts",
@@ -142,6 +145,33 @@ def check_entry_traces(
     allowed = versions if versions is not None else {entry["weight_version"]}
     assert {v for _, _, v in markers} <= allowed, (markers[:3], entry)
     return markers
+
+
+def kill_replica(report: dict, known_pids: set[int]) -> None:
+    """SIGKILL the replica of `report`, which must be one of `known_pids` (replicas this test's
+    app reported), never anything else."""
+    pid = report["pid"]
+    assert pid and pid in known_pids and pid != os.getpid(), report
+    os.kill(pid, signal.SIGKILL)
+
+
+def wait_for_fleet(c: httpx.Client, replicas: int, exclude: set[str], *, ingress_may_restart: bool = False) -> list[dict]:
+    """Until `replicas` replicas answer ok, none of them one in `exclude` (killed ones).
+    `ingress_may_restart`: a failing status call (the ingress itself restarting) is waited out."""
+
+    def healthy() -> list[dict] | None:
+        try:
+            st = status(c)
+        except (AssertionError, httpx.HTTPError):
+            if not ingress_may_restart:
+                raise
+            return None
+        live = [r for r in st["replicas"] if r["ok"]]
+        if len(live) == replicas and not {r["replica_id"] for r in live} & exclude:
+            return live
+        return None
+
+    return poll(healthy, timeout=RESTART_TIMEOUT_S, what="a full fleet of live replicas", interval=0.5)
 
 
 def write_perturbed_weights(model_dir: Path, out: Path, seed: int) -> Path:

@@ -16,7 +16,6 @@ import contextlib
 import errno
 import os
 import shutil
-import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -30,11 +29,14 @@ from integ_util import (
     client,
     complete,
     complete_concurrently,
+    RESTART_TIMEOUT_S,
     generate_until_all_recorded,
+    kill_replica,
     ok,
     poll,
     status,
     stop_if_active,
+    wait_for_fleet,
     wait_manifest,
     write_perturbed_weights,
 )
@@ -44,7 +46,6 @@ from profiling.backends.torch_profiler import TRACE_FILE
 pytestmark = pytest.mark.integration
 
 REPLICAS = 2
-RESTART_TIMEOUT_S = 120.0
 TMPFS_MB = 64
 GREEDY = {"prompt": "Every replica keeps its own trace", "max_tokens": 6, "temperature": 0}
 
@@ -112,27 +113,7 @@ def dead() -> set[str]:
 @pytest.fixture
 def fleet(http, dead) -> list[dict]:
     """Each test starts with REPLICAS live replicas (none a killed one), idle and admitting."""
-    return wait_for_fleet(http, dead)
-
-
-def wait_for_fleet(http: httpx.Client, exclude: set[str]) -> list[dict]:
-    def healthy() -> list[dict] | None:
-        try:
-            st = status(http)
-        except (AssertionError, httpx.HTTPError):  # the ingress itself may be restarting
-            return None
-        live = [r for r in st["replicas"] if r["ok"]]
-        if len(live) == REPLICAS and not {r["replica_id"] for r in live} & exclude:
-            return live
-        return None
-
-    return poll(healthy, timeout=RESTART_TIMEOUT_S, what="a full fleet of live replicas", interval=0.5)
-
-
-def kill_replica(report: dict, reports: list[dict]) -> None:
-    pid = report["pid"]
-    assert pid and pid in {r["pid"] for r in reports} and pid != os.getpid(), report
-    os.kill(pid, signal.SIGKILL)
+    return wait_for_fleet(http, REPLICAS, dead, ingress_may_restart=True)
 
 
 def replica_state(http: httpx.Client, replica_id: str) -> str | None:
@@ -188,7 +169,7 @@ def test_replica_killed_mid_export_leaves_a_partial_manifest(faults, http, fleet
     poll(lambda: replica_state(http, survivor["replica_id"]) == "idle", timeout=60, what="the survivor's export")
     assert replica_state(http, victim["replica_id"]) == "exporting", "the victim's export did not stall"
     assert wait_manifest(http, step, ("exporting",))["status"] == "exporting"
-    kill_replica(victim, started["replicas"])
+    kill_replica(victim, {r["pid"] for r in started["replicas"]})
     dead.add(victim["replica_id"])
 
     manifest = wait_manifest(http, step, ("partial", "complete"))
@@ -207,7 +188,7 @@ def test_replica_killed_mid_export_leaves_a_partial_manifest(faults, http, fleet
     check_entry_traces(step_dir, good, step)
 
     # The restarted replica and the survivor profile the next step completely.
-    wait_for_fleet(http, dead)
+    wait_for_fleet(http, REPLICAS, dead, ingress_may_restart=True)
     run_step(http, faults, step + 1)
 
 

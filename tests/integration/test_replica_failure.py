@@ -8,8 +8,6 @@ reports in the /profile/start answer of the app deployed here.
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 
 import pytest
@@ -20,10 +18,11 @@ from integ_util import (
     complete,
     complete_concurrently,
     generate_until_all_recorded,
+    kill_replica,
     ok,
-    poll,
     status,
     stop_if_active,
+    wait_for_fleet,
     wait_manifest,
     write_perturbed_weights,
 )
@@ -31,7 +30,6 @@ from integ_util import (
 pytestmark = pytest.mark.integration
 
 REPLICAS = 2
-RESTART_TIMEOUT_S = 120.0
 
 
 @pytest.fixture(scope="module")
@@ -58,24 +56,6 @@ def http(failing):
 def dead() -> set[str]:
     """Replica ids killed so far in this module."""
     return set()
-
-
-def kill_replica(report: dict, known_pids: set[int]) -> None:
-    pid = report["pid"]
-    assert pid and pid in known_pids and pid != os.getpid(), report
-    os.kill(pid, signal.SIGKILL)
-
-
-def wait_for_fleet(http, exclude: set[str]) -> list[dict]:
-    """Until REPLICAS replicas answer ok, none of them a killed one."""
-
-    def healthy() -> list[dict] | None:
-        live = [r for r in status(http)["replicas"] if r["ok"]]
-        if len(live) == REPLICAS and not {r["replica_id"] for r in live} & exclude:
-            return live
-        return None
-
-    return poll(healthy, timeout=RESTART_TIMEOUT_S, what="Serve to restart the killed replica", interval=0.5)
 
 
 def test_dead_replica_is_reported_and_step_is_partial(failing, http, dead):
@@ -114,7 +94,7 @@ def test_dead_replica_is_reported_and_step_is_partial(failing, http, dead):
 
 def test_restarted_replica_serves_the_next_step(failing, http, dead):
     assert dead, "needs the replica killed by the previous test"
-    fleet = wait_for_fleet(http, dead)
+    fleet = wait_for_fleet(http, REPLICAS, dead)
     step = 42
     try:
         started = ok(http.post("/profile/start", json={"step": step}))
@@ -138,7 +118,7 @@ def test_restarted_replica_serves_the_next_step(failing, http, dead):
 
 def test_replica_restarted_mid_step_joins_it_late(failing, http, dead, model_dir):
     """Also: the restarted replica loads the fleet's current weights (version 1) before serving."""
-    wait_for_fleet(http, dead)
+    wait_for_fleet(http, REPLICAS, dead)
     step, version = 43, 1
     weights = write_perturbed_weights(model_dir, failing.weights_dir / "v1.safetensors", seed=7)
     ok(http.post("/weights/update", json={"version": version, "path": weights.name}))
@@ -153,7 +133,7 @@ def test_replica_restarted_mid_step_joins_it_late(failing, http, dead, model_dir
         kill_replica(victim, {r["pid"] for r in started["replicas"]})
         dead.add(victim["replica_id"])
 
-        fleet = wait_for_fleet(http, dead)
+        fleet = wait_for_fleet(http, REPLICAS, dead)
         newcomer = next(r for r in fleet if r["replica_id"] not in original)
         # It converged to the desired state on start: the active step, recording.
         assert newcomer["active_step"] == step and newcomer["state"] == "profiling", newcomer
