@@ -5,14 +5,14 @@ Each cycle profiles one step: start(k) -> a short window of generation -> stop(k
 the while `clients` concurrent clients keep generating. At the end it reports failed requests
 (goal 0), cycles whose manifest is not complete (goal 0), the stop's critical-path time (p50/p99,
 HTTP round trip as the trainer sees it), and the replicas' and ingress's file descriptors,
-threads and RSS after warm-up, at the middle and at the end (no growth trend).
+threads and RSS sampled every tenth of the run (no growth trend: the RSS slope is reported).
 
     python benchmarks/soak.py [--cycles 1000] [--clients 8] [--update-every 10] [--replica-env K=V]
 
 Control calls go through the trainer's RolloutClient, so a start refused with 429 (earlier
 steps' traces still exporting: the app's export backlog bound) is waited out as the trainer
 would; the time starts spent waiting is reported. tests/integration/test_soak.py runs 100 cycles.
-Figures from a 1000-cycle run, and the replica memory growth still open: docs/operations.md, "Soak".
+Figures from a 1000-cycle run: docs/operations.md, "Soak".
 """
 
 from __future__ import annotations
@@ -44,6 +44,14 @@ class ProcessStats(BaseModel):
     rss_mb: float
 
 
+class StatsSample(BaseModel):
+    """Process stats once `cycle` cycles (after warm-up) were done and every export had settled:
+    sampled mid-export, RSS would swing by the recordings in flight, not by any trend."""
+
+    cycle: int
+    stats: ProcessStats
+
+
 class SoakReport(BaseModel):
     cycles: int
     updates: int
@@ -56,9 +64,20 @@ class SoakReport(BaseModel):
     start_p50_ms: float
     start_p99_ms: float
     """Includes waiting out 429s while the export backlog is full."""
-    stats: dict[str, ProcessStats]
-    """'warm' (after warm-up), 'middle', 'end'."""
+    samples: list[StatsSample]
+    """After warm-up, every tenth of the run, and at the end."""
+    rss_slope_mb_per_100_cycles: float
+    """Least-squares slope of the samples' summed RSS over the second half of the run (the
+    first half includes the allocators' climb to their working size)."""
     seconds: float
+
+    @property
+    def warm(self) -> ProcessStats:
+        return self.samples[0].stats
+
+    @property
+    def end(self) -> ProcessStats:
+        return self.samples[-1].stats
 
 
 def app_process_stats(app_name: str) -> ProcessStats:
@@ -127,7 +146,8 @@ async def soak(
     failures: list[str] = []
     stop_times: list[float] = []
     start_times: list[float] = []
-    stats: dict[str, ProcessStats] = {}
+    samples: list[StatsSample] = []
+    sample_every = max(1, cycles // 10)
     done = asyncio.Event()
     t_start = time.perf_counter()
     limits = httpx.Limits(max_connections=clients + 4)
@@ -140,10 +160,10 @@ async def soak(
         steps = []
         try:
             for i in range(warmup_cycles + cycles):
-                if i == warmup_cycles:
-                    stats["warm"] = app_process_stats(app_name)
-                if i == warmup_cycles + cycles // 2:
-                    stats["middle"] = app_process_stats(app_name)
+                done_cycles = i - warmup_cycles
+                if done_cycles >= 0 and done_cycles % sample_every == 0:
+                    await _wait_exports_settled(control)
+                    samples.append(StatsSample(cycle=done_cycles, stats=app_process_stats(app_name)))
                 step = first_step + i
                 update = (i + 1) % update_every == 0
                 t0 = time.perf_counter()
@@ -169,7 +189,7 @@ async def soak(
             done.set()
             await asyncio.gather(*gens)
     incomplete = await asyncio.to_thread(_wait_manifests, store, steps)
-    stats["end"] = app_process_stats(app_name)
+    samples.append(StatsSample(cycle=cycles, stats=app_process_stats(app_name)))
     stop_p50, stop_p99 = _percentiles(stop_times)
     start_p50, start_p99 = _percentiles(start_times)
     return SoakReport(
@@ -183,9 +203,25 @@ async def soak(
         stop_p99_ms=stop_p99,
         start_p50_ms=start_p50,
         start_p99_ms=start_p99,
-        stats=stats,
+        samples=samples,
+        rss_slope_mb_per_100_cycles=_rss_slope(samples[len(samples) // 2 :]) * 100,
         seconds=time.perf_counter() - t_start,
     )
+
+
+async def _wait_exports_settled(control: RolloutClient, timeout_s: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while any(r.state == "exporting" for r in (await control.status()).replicas):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"replicas still exporting after {timeout_s:.0f} s")
+        await asyncio.sleep(0.2)
+
+
+def _rss_slope(samples: list[StatsSample]) -> float:
+    """MB per cycle (0 with fewer than two samples)."""
+    if len(samples) < 2:
+        return 0.0
+    return statistics.linear_regression([s.cycle for s in samples], [s.stats.rss_mb for s in samples]).slope
 
 
 def _wait_manifests(store: TraceStore, steps: list[int], timeout_s: float = 300.0) -> list[int]:
@@ -254,8 +290,10 @@ def main(
     table.add_row("weight updates", str(report.updates))
     table.add_row("stop p50 / p99 (ms)", f"{report.stop_p50_ms:.1f} / {report.stop_p99_ms:.1f}")
     table.add_row("start p50 / p99 (ms, incl. backlog waits)", f"{report.start_p50_ms:.1f} / {report.start_p99_ms:.1f}")
-    for when, s in report.stats.items():
-        table.add_row(f"{when}: fds / threads / RSS MB ({s.processes} procs)", f"{s.fds} / {s.threads} / {s.rss_mb:.0f}")
+    for sample in report.samples:
+        s = sample.stats
+        table.add_row(f"cycle {sample.cycle}: fds / threads / RSS MB ({s.processes} procs)", f"{s.fds} / {s.threads} / {s.rss_mb:.0f}")
+    table.add_row("RSS slope, second half (MB per 100 cycles)", f"{report.rss_slope_mb_per_100_cycles:+.1f}")
     table.add_row("wall time (s)", f"{report.seconds:.0f}")
     console.print(table)
     for f in report.failures:

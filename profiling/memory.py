@@ -1,9 +1,9 @@
 """Giving freed memory back to the operating system after a trace export.
 
-A recording's events take hundreds of MB of native memory, allocated on the model thread and
-freed on the export thread. glibc keeps such freed memory mapped in its arenas, so without a
-trim a process's RSS keeps the high-water mark of every export (measured: +1.9 GB over 250
-profiled steps in one replica, with flat Python object counts). Elsewhere this is a no-op.
+A recording's events take hundreds of MB of native memory. glibc keeps freed memory mapped in
+its arenas, so without a trim a process keeps the high-water mark of its exports (measured, in a
+loop profiling and exporting 120 recordings: a flat 574 MB RSS without the trim, 517 MB with it).
+Elsewhere this is a no-op.
 """
 
 from __future__ import annotations

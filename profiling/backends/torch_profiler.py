@@ -31,10 +31,15 @@ class TorchRecordedTrace(RecordedTrace):
         out_dir.mkdir(parents=True, exist_ok=True)
         path = out_dir / TRACE_FILE
         plain, packed = out_dir / f".{TRACE_FILE}.tmp.json", out_dir / f".{TRACE_FILE}.tmp.gz"
+        prof, self._prof = self._prof, None
         try:
-            self._prof.export_chrome_trace(str(plain))
+            prof.export_chrome_trace(str(plain))
         finally:
-            self._prof = None  # written once: free the recorded events now, not with this object
+            # Written once: free the recorded events now. `profile` holds bound methods of
+            # itself (a reference cycle), so dropping it alone leaves the events to a full
+            # garbage collection, which a large process like a Serve replica rarely runs:
+            # dead recordings piled up, hundreds of MB each.
+            prof.profiler = None
         try:
             with open(plain, "rb") as src, gzip.open(packed, "wb", compresslevel=GZIP_LEVEL) as dst:
                 shutil.copyfileobj(src, dst, 1 << 20)

@@ -2,7 +2,7 @@
 generating clients with a weight update every 10 cycles, against the real 2-replica app.
 
 Profiling back to back is faster than traces can be written on 2 cores, so the app's export
-backlog bound (429 on start, waited out by the trainer's client) is what keeps memory bounded here.
+backlog bound (429 on start, waited out by the trainer's client) paces the cycles.
 """
 
 from __future__ import annotations
@@ -31,12 +31,13 @@ async def test_soak_100_cycles_loses_nothing_and_does_not_grow(app, model_dir):
     assert report.requests_ok > 100
     assert report.incomplete_manifests == []
     assert report.updates == 10
-    warm, end = report.stats["warm"], report.stats["end"]
+    warm, end = report.warm, report.end
     assert warm.processes == end.processes == 3  # 2 rollout replicas + the ingress
     # After warm-up, descriptors and threads stay put.
-    assert end.fds <= warm.fds + 30, report.stats
-    assert end.threads <= warm.threads + 20, report.stats
-    # Memory: the export backlog bound keeps unexported recordings from piling up (without it
-    # this run grew by ~1.2 GB). A slow growth of ~0.6 MB per profiled step per replica is
-    # still open (docs/operations.md, "Soak"); this bound catches anything faster.
-    assert end.rss_mb - warm.rss_mb <= 3.0 * 100 * 2, report.stats
+    assert end.fds <= warm.fds + 30, report.samples
+    assert end.threads <= warm.threads + 20, report.samples
+    # No memory growth trend. Dead recordings kept alive until a full garbage collection grew
+    # the app by ~120 MB per 100 cycles; fixed, 1000 cycles grow it by ~60 MB, levelling off
+    # (docs/operations.md, "Soak").
+    assert report.rss_slope_mb_per_100_cycles <= 40, report.samples
+    assert end.rss_mb - warm.rss_mb <= 150, report.samples

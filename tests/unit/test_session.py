@@ -5,10 +5,12 @@ The test's own thread plays the model thread: every session method is called fro
 
 from __future__ import annotations
 
+import gc
 import gzip
 import json
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -424,3 +426,22 @@ def test_failed_export_lists_no_missing_files(store, exporter, model):
     missing = [f for f in final.files if not (store.step_dir(2) / f).exists()]
     assert missing == []
 
+
+
+def test_export_frees_the_recorded_events_without_waiting_for_garbage_collection(tmp_path, model):
+    """torch's `profile` is in a reference cycle (it holds bound methods of itself); a large
+    process rarely runs the full collection that frees cycles, so dead recordings piled up in
+    the soak. The export must drop the events itself."""
+    backend = TorchProfilerBackend(ProfileOptions(max_duration_s=None))
+    backend.start()
+    model(torch.randn(4, 8))
+    trace = backend.stop()
+    events = weakref.ref(trace._prof.profiler)
+    gc.disable()
+    try:
+        trace.export(tmp_path)
+        del trace
+        assert events() is None, "the recorded events outlived the export"
+    finally:
+        gc.enable()
+    assert (tmp_path / TRACE_FILE).stat().st_size > 0
