@@ -4,10 +4,12 @@ Each cycle profiles one step: start(k) -> a short window of generation -> stop(k
 `update_every` cycles the stop pauses and a weight update follows (as the trainer does). All
 the while `clients` concurrent clients keep generating. At the end it reports failed requests
 (goal 0), cycles whose manifest is not complete (goal 0), the stop's critical-path time (p50/p99,
-HTTP round trip as the trainer sees it), and the replicas' and ingress's file descriptors,
-threads and RSS sampled every tenth of the run (no growth trend: the RSS slope is reported).
+HTTP round trip as the trainer sees it), and the file descriptors, threads and RSS of the app's
+processes (replicas, ingress, engine processes) sampled every tenth of the run (no growth trend:
+the RSS slope is reported).
 
     python benchmarks/soak.py [--cycles 1000] [--clients 8] [--update-every 10] [--replica-env K=V]
+                              [--config config/serve.vllm.yaml]   # another engine
 
 Control calls go through the trainer's RolloutClient, so a start refused with 429 (earlier
 steps' traces still exporting: the app's export backlog bound) is waited out as the trainer
@@ -29,6 +31,7 @@ import httpx
 import typer
 from pydantic import BaseModel
 
+from profiling.analysis.auto import MERGE_COMMAND
 from profiling.store import TraceStore
 from trainer.client import RolloutClient
 
@@ -36,7 +39,9 @@ PROMPTS = ["The rollout server answers", "Red green blue", "One two three", "The
 
 
 class ProcessStats(BaseModel):
-    """Summed over the app's Serve replica processes (rollout replicas and ingress)."""
+    """Summed over the app's Serve replica processes (rollout replicas and ingress) and the
+    engine processes they started (vLLM's EngineCore and workers); background merges, which
+    come and go, are left out."""
 
     processes: int
     fds: int
@@ -80,27 +85,42 @@ class SoakReport(BaseModel):
         return self.samples[-1].stats
 
 
-def app_process_stats(app_name: str) -> ProcessStats:
-    """fds, threads and RSS of this machine's Serve replica processes of `app_name` (/proc)."""
-    marker = f"ray::ServeReplica:{app_name}:".encode()
-    procs = fds = threads = 0
-    rss_kb = 0
+def _read_processes() -> dict[int, tuple[int, bytes, dict[str, str]]]:
+    """pid -> (parent pid, argv as NUL-joined bytes, /proc status fields)."""
+    found = {}
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
         try:
-            if not (proc / "cmdline").read_bytes().startswith(marker):
-                continue
-            status = dict(
-                line.split(":", 1) for line in (proc / "status").read_text().splitlines() if ":" in line
-            )
-            fds += len(list((proc / "fd").iterdir()))
-            threads += int(status["Threads"].strip())
-            rss_kb += int(status["VmRSS"].split()[0])
-            procs += 1
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            status = dict(line.split(":", 1) for line in (proc / "status").read_text().splitlines() if ":" in line)
+            found[int(proc.name)] = (int(status["PPid"]), (proc / "cmdline").read_bytes(), status)
+        except (FileNotFoundError, ProcessLookupError, PermissionError, KeyError):
             continue  # a process that ended while we looked
-    return ProcessStats(processes=procs, fds=fds, threads=threads, rss_mb=rss_kb / 1024)
+    return found
+
+
+def app_process_stats(app_name: str) -> ProcessStats:
+    """fds, threads and RSS of this machine's Serve replica processes of `app_name` and of the
+    engine processes under them (/proc)."""
+    marker = f"ray::ServeReplica:{app_name}:".encode()
+    merge = b"\0".join(arg.encode() for arg in MERGE_COMMAND)
+    processes = _read_processes()
+    counted = {pid for pid, (_, argv, _) in processes.items() if argv.startswith(marker)}
+    grew = True
+    while grew:  # add descendants until none is left to add
+        new = {pid for pid, (ppid, argv, _) in processes.items() if ppid in counted and merge not in argv}
+        grew = bool(new - counted)
+        counted |= new
+    fds = threads = rss_kb = 0
+    for pid in counted:
+        status = processes[pid][2]
+        try:
+            fds += len(list(Path(f"/proc/{pid}/fd").iterdir()))
+        except (FileNotFoundError, PermissionError):
+            continue
+        threads += int(status["Threads"].strip())
+        rss_kb += int(status.get("VmRSS", "0 kB").split()[0])
+    return ProcessStats(processes=len(counted), fds=fds, threads=threads, rss_mb=rss_kb / 1024)
 
 
 async def _generate_forever(c: httpx.AsyncClient, i: int, stop: asyncio.Event, counts: dict, failures: list[str]) -> None:
@@ -240,6 +260,13 @@ def main(
     clients: int = typer.Option(8, min=1),
     update_every: int = typer.Option(10, min=1),
     replicas: int = typer.Option(2, min=1),
+    config: Annotated[
+        str,
+        typer.Option(
+            help="Serve config whose first application is soaked (e.g. config/serve.vllm.yaml); "
+            "the soak sets its paths, model and replica count."
+        ),
+    ] = "config/serve.yaml",
     replica_env: Annotated[
         list[str] | None,
         typer.Option("--replica-env", help="KEY=VALUE for the replica processes, e.g. LD_PRELOAD=<libjemalloc.so.2>."),
@@ -250,14 +277,14 @@ def main(
     from rich.table import Table
 
     from serve_app.engines.tiny_model import ensure_tiny_model
-    from serve_app.local import local_cluster, run_app
+    from trainer.local_app import local_rollout_app
 
     console = Console()
     tmp = Path(tempfile.mkdtemp(prefix="soak-"))
     model = ensure_tiny_model(cache_dir=tmp / "model")
     weights_dir = tmp / "weights"
     weights_dir.mkdir()
-    args = {
+    overrides = {
         "num_replicas": replicas,
         "save_path": str(tmp / "traces"),
         "weights_dir": str(weights_dir),
@@ -265,14 +292,13 @@ def main(
         "min_free_disk_mb": 1,
         "replica_env": dict(kv.split("=", 1) for kv in replica_env or []),
     }
-    with local_cluster() as port:
-        url = run_app(port, "soak", args)
+    with local_rollout_app(config, overrides) as app:
         with Progress(console=console) as progress:
             task = progress.add_task("soak cycles", total=cycles + 5)
             report = asyncio.run(
                 soak(
-                    url,
-                    "soak",
+                    app.base_url,
+                    app.name,
                     tmp / "traces",
                     model / "model.safetensors",
                     weights_dir,
@@ -282,7 +308,10 @@ def main(
                     on_cycle=lambda _: progress.advance(task),
                 )
             )
-    table = Table(title=f"soak: {cycles} cycles, {clients} clients, update every {update_every}")
+    table = Table(
+        title=f"soak: {config} (engine {app.args.get('engine', 'transformers')}), {cycles} cycles, "
+        f"{clients} clients, update every {update_every}"
+    )
     table.add_column("measure")
     table.add_column("value")
     table.add_row("failed requests (goal 0)", f"{report.requests_failed} of {report.requests_ok + report.requests_failed}")

@@ -17,6 +17,9 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+MERGE_COMMAND = ("-m", "profiling", "merge")
+"""How a background merge is run (tools that watch processes tell these short-lived ones apart)."""
+
 log = logging.getLogger(__name__)
 _IMPORT_ROOT = Path(__file__).resolve().parents[2]
 """The directory `profiling` is imported from, put on the child's path (Ray workers may run
@@ -46,7 +49,7 @@ class AutoMerger:
     def _run(self, step: int) -> None:
         with self._lock:
             self._queued.discard(step)  # a request arriving from now on merges again
-        cmd = [sys.executable, "-m", "profiling", "merge", str(self.root), "--step", str(step), "--auto"]
+        cmd = [sys.executable, *MERGE_COMMAND, str(self.root), "--step", str(step), "--auto"]
         env = {
             **os.environ,
             "PYTHONPATH": os.pathsep.join(filter(None, [str(_IMPORT_ROOT), os.environ.get("PYTHONPATH")])),
