@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -61,13 +62,20 @@ def deploy(ray_cluster: int, model_dir: Path, tmp: Path, name: str, **overrides)
     return ServeApp(name, base, Path(args["save_path"]), Path(args["weights_dir"]), args)
 
 
-@pytest.fixture(scope="module")
-def app(ray_cluster, model_dir, tmp_path_factory) -> Iterator[ServeApp]:
-    """A 2-replica app on the embedded engine, shared by one test module."""
+@contextlib.contextmanager
+def deployed(ray_cluster: int, model_dir: Path, tmp: Path, name: str, **overrides) -> Iterator[ServeApp]:
+    """`deploy`, and delete the app on the way out."""
     from ray import serve
 
-    served = deploy(ray_cluster, model_dir, tmp_path_factory.mktemp("app"), "rollout")
+    served = deploy(ray_cluster, model_dir, tmp, name, **overrides)
     try:
         yield served
     finally:
         serve.delete(served.name)
+
+
+@pytest.fixture(scope="module")
+def app(ray_cluster, model_dir, tmp_path_factory) -> Iterator[ServeApp]:
+    """A 2-replica app on the embedded engine, shared by one test module."""
+    with deployed(ray_cluster, model_dir, tmp_path_factory.mktemp("app"), "rollout") as served:
+        yield served

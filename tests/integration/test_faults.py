@@ -23,7 +23,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import ServeApp, deploy
+from conftest import ServeApp, deployed
 from integ_util import (
     check_entry_traces,
     client,
@@ -76,10 +76,8 @@ def disk(tmp_path_factory) -> Iterator[tuple[Path, bool]]:
 
 @pytest.fixture(scope="module")
 def faults(ray_cluster, model_dir, disk, tmp_path_factory) -> Iterator[ServeApp]:
-    from ray import serve
-
     mnt, _ = disk
-    served = deploy(
+    with deployed(
         ray_cluster,
         model_dir,
         tmp_path_factory.mktemp("faults-app"),
@@ -88,11 +86,8 @@ def faults(ray_cluster, model_dir, disk, tmp_path_factory) -> Iterator[ServeApp]
         save_path=str(mnt / "traces"),
         # Merges are covered elsewhere; here they would only compete for the 2 CI cores.
         merge_on_complete=False,
-    )
-    try:
+    ) as served:
         yield served
-    finally:
-        serve.delete(served.name)
 
 
 @pytest.fixture(scope="module")

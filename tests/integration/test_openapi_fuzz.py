@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import pytest
 import requests
 import schemathesis
-from conftest import ServeApp, deploy
+from conftest import ServeApp, deployed
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from integ_util import client, ok, status
@@ -53,16 +53,11 @@ STATEFUL = {"/profile/start", "/profile/stop", "/weights/update"}
 
 @pytest.fixture(scope="module")
 def fuzz_app(ray_cluster, model_dir, tmp_path_factory) -> Iterator[ServeApp]:
-    from ray import serve
-
-    served = deploy(
+    with deployed(
         ray_cluster, model_dir, tmp_path_factory.mktemp("fuzz"), "fuzz", control_token=TOKEN, merge_on_complete=False
-    )
-    shutil.copyfile(model_dir / "model.safetensors", served.weights_dir / BASE_WEIGHTS)
-    try:
+    ) as served:
+        shutil.copyfile(model_dir / "model.safetensors", served.weights_dir / BASE_WEIGHTS)
         yield served
-    finally:
-        serve.delete(served.name)
 
 
 @pytest.fixture(scope="module")

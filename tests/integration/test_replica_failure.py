@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from conftest import deploy
+from conftest import deployed
 from integ_util import (
     check_entry_traces,
     client,
@@ -34,13 +34,8 @@ REPLICAS = 2
 
 @pytest.fixture(scope="module")
 def failing(ray_cluster, model_dir, tmp_path_factory):
-    from ray import serve
-
-    served = deploy(ray_cluster, model_dir, tmp_path_factory.mktemp("failure"), "failure", num_replicas=REPLICAS)
-    try:
+    with deployed(ray_cluster, model_dir, tmp_path_factory.mktemp("failure"), "failure", num_replicas=REPLICAS) as served:
         yield served
-    finally:
-        serve.delete(served.name)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from conftest import deploy
+from conftest import deployed
 from integ_util import client, complete, generate_until_all_recorded, ok, status, stop_if_active
 
 pytestmark = pytest.mark.integration
@@ -295,14 +295,10 @@ def test_huge_step_lookup_is_404(http):
 
 @pytest.fixture(scope="module")
 def secure(ray_cluster, model_dir, tmp_path_factory):
-    from ray import serve
-
-    served = deploy(ray_cluster, model_dir, tmp_path_factory.mktemp("secure"), "secure",
-                    control_token="s3cret", num_replicas=1)
-    try:
+    with deployed(
+        ray_cluster, model_dir, tmp_path_factory.mktemp("secure"), "secure", control_token="s3cret", num_replicas=1
+    ) as served:
         yield served
-    finally:
-        serve.delete(served.name)
 
 
 CONTROL_CALLS = [

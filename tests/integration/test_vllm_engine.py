@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import deploy
+from conftest import deployed
 from integ_util import client, complete, complete_concurrently, ok, status, stop_if_active, wait_manifest, write_perturbed_weights
 
 pytestmark = pytest.mark.integration
@@ -28,9 +28,8 @@ VLLM_ENV = {
 @pytest.fixture(scope="module")
 def vllm_app(ray_cluster, model_dir, tmp_path_factory):
     import vllm  # noqa: F401 - fail loudly (not skip) when vLLM is not installed
-    from ray import serve
 
-    served = deploy(
+    with deployed(
         ray_cluster,
         model_dir,
         tmp_path_factory.mktemp("vllm"),
@@ -40,11 +39,8 @@ def vllm_app(ray_cluster, model_dir, tmp_path_factory):
         replica_env=VLLM_ENV,
         control_timeout_s=60.0,
         vllm={"dtype": "float32", "max_model_len": 256},
-    )
-    try:
+    ) as served:
         yield served
-    finally:
-        serve.delete(served.name)
 
 
 @pytest.fixture(scope="module")
