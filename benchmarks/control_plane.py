@@ -20,8 +20,8 @@ from rich.console import Console
 from rich.table import Table
 
 from profiling.store import TraceStore
-from serve_app.engines.tiny_model import ensure_tiny_model
-from serve_app.local import local_cluster, run_app
+from serve_app.tiny_model import ensure_tiny_model
+from trainer.local_app import local_cluster, run_app
 
 console = Console()
 

@@ -276,7 +276,7 @@ def main(
     from rich.progress import Progress
     from rich.table import Table
 
-    from serve_app.engines.tiny_model import ensure_tiny_model
+    from serve_app.tiny_model import ensure_tiny_model
     from trainer.local_app import local_rollout_app
 
     console = Console()

@@ -20,9 +20,9 @@ from rich.console import Console
 from safetensors.torch import load_file, save_file
 
 from profiling.schedule import StepSchedule
-from serve_app.engines.tiny_model import ensure_tiny_model
-from serve_app.local import local_cluster, run_app
+from serve_app.tiny_model import ensure_tiny_model
 from trainer.client import RolloutClient
+from trainer.local_app import local_cluster, run_app
 from trainer.profiled_sync import ProfiledWeightSync
 
 console = Console()

@@ -27,8 +27,8 @@ from rich.table import Table
 
 from profiling.config import ProfileOptions
 from serve_app.config import VllmOptions
-from serve_app.engines.tiny_model import ensure_tiny_model
 from serve_app.engines.vllm_engine import VllmEngine
+from serve_app.tiny_model import ensure_tiny_model
 
 console = Console()
 VLLM_DEFAULTS = VllmOptions(

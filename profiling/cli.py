@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, Any, Literal, NoReturn, TypedDict
 
 import typer
 from pydantic import BaseModel
@@ -44,7 +44,7 @@ from profiling.analysis.diff import StepDiff, diff_steps
 from profiling.analysis.merge import MergeError, merge_step
 from profiling.analysis.sources import find_inputs, load_manifest
 from profiling.analysis.summary import StepSummary, summarize_step
-from profiling.manifest import MergeRecord
+from profiling.manifest import ManifestStatus, MergeRecord
 from profiling.store import MERGED_TRACE, TraceStore
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
@@ -130,11 +130,26 @@ def _byte_progress(
 # -- steps on disk --------------------------------------------------------------------------------
 
 
+class _StepRow(TypedDict):
+    """One step in `list` (its JSON form as is)."""
+
+    step: int
+    steps: list[int]
+    status: ManifestStatus
+    rollout: int
+    trainer: int
+    forward_steps: int
+    bytes: int
+    merged: Literal["ok", "error"] | None
+    merged_trace: str | None
+    report: bool
+
+
 @app.command("list")
 def list_steps(directory: Dir, as_json: AsJson = False) -> None:
     """The steps under DIR: status, processes, forward steps, size, merged timeline and report."""
     store = _store(directory)
-    rows = []
+    rows: list[_StepRow] = []
     for k in store.steps():
         m = load_manifest(store, k)
         merge = m.merge or store.read_merge(k)

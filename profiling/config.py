@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 Tool = Literal["torch", "npu", "nsys"]
 Activity = Literal["cpu", "cuda"]
@@ -47,7 +47,7 @@ StepNumber = Annotated[int, Field(ge=1, le=MAX_STEP)]
 class StrictModel(BaseModel):
     """Base for every config/boundary model: unknown keys are errors, not silently ignored."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
 
 class NpuOptions(StrictModel):
@@ -70,12 +70,6 @@ class NpuOptions(StrictModel):
         "analyse_flag). The parse runs inside stop, on the model thread; false leaves raw data to be "
         "parsed offline with torch_npu.profiler.profiler.analyse(<dir>).",
     )
-    discrete: bool = Field(
-        False,
-        description="Accepted for verl compatibility and has no effect here: verl's discrete mode "
-        "opens one profiler per annotated trainer stage, while a rollout replica records each "
-        "profiling window (one step, or a merged continuous window) as one recording either way.",
-    )
     aic_metrics: NpuAicMetrics | None = Field(
         None,
         description="torch_npu AiCMetrics name (AI Core metrics, collected at level1/level2); "
@@ -86,10 +80,24 @@ class NpuOptions(StrictModel):
         True, description="torch_npu _ExperimentalConfig data_simplification (drops intermediate data)."
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_discrete(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "discrete" in data:
+            raise ValueError(
+                "discrete (verl's one-profiler-per-stage mode) does not apply: a rollout replica records "
+                "each window (one step, or a continuous window) as one recording; remove the key"
+            )
+        return data
+
     @field_validator("contents")
     @classmethod
     def _unique(cls, contents: list[str]) -> list[str]:
         return list(dict.fromkeys(contents))
+
+
+def _cpu_only() -> list[Activity]:
+    return ["cpu"]
 
 
 class ProfileOptions(StrictModel):
@@ -100,10 +108,14 @@ class ProfileOptions(StrictModel):
         description="torch (torch.profiler), npu (torch_npu.profiler, Ascend) or nsys (a CUDA "
         "profiler capture range for `nsys profile --capture-range=cudaProfilerApi`).",
     )
-    activities: list[Activity] = Field(default_factory=lambda: ["cpu"], min_length=1)
-    record_shapes: bool = False
-    with_stack: bool = False
-    with_memory: bool = False
+    activities: list[Activity] = Field(
+        default_factory=_cpu_only,
+        min_length=1,
+        description="What torch.profiler records: cpu (operators, ranges), cuda (kernels, copies).",
+    )
+    record_shapes: bool = Field(False, description="Record operators' input shapes.")
+    with_stack: bool = Field(False, description="Record Python stacks (large traces, slow finalize).")
+    with_memory: bool = Field(False, description="Record tensor allocations and frees.")
     max_forward_steps: int | None = Field(
         200, ge=1, description="Stop recording after this many engine steps (null: unbounded)."
     )
@@ -122,10 +134,16 @@ class ProfileOptions(StrictModel):
 class GlobalProfilerConfig(StrictModel):
     """verl's `global_profiler` keys, same meaning."""
 
-    tool: Tool | None = "torch"
+    tool: Tool | None = Field(
+        "torch",
+        description="The trainer-side profiler (torch, npu or nsys); null: profiling off whatever "
+        "steps says (verl's meaning). The trainer's `profiler.tool`, if set, must agree.",
+    )
     steps: list[StepNumber] | None = Field(None, description="Profiled steps, e.g. [1, 2, 5]; null: off.")
-    save_path: str = "outputs/profile"
-    profile_continuous_steps: bool = False
+    save_path: str = Field("outputs/profile", description="Root of the step directories (the app's save_path).")
+    profile_continuous_steps: bool = Field(
+        False, description="Merge consecutive profiled steps into one window labelled by its first step."
+    )
     merge_on_complete: bool = Field(
         True,
         description="Merge a step's traces into step_<k>/merged.trace.json.gz when its manifest "
@@ -143,8 +161,10 @@ def describe_validation_error(err: ValidationError, prefix: str = "") -> str:
     lines = []
     for e in err.errors():
         path = ".".join(str(p) for p in (prefix, *e["loc"]) if p != "")
+        # A rule's own message, without pydantic's "Value error, " in front of it.
+        msg = str(e["ctx"]["error"]) if e["type"] == "value_error" else e["msg"]
         if e["type"] == "extra_forbidden":
             lines.append(f"unknown key '{path}'")
         else:
-            lines.append(f"'{path}': {e['msg']}")
+            lines.append(f"'{path}': {msg}" if path else msg)
     return "; ".join(lines)

@@ -1,4 +1,4 @@
-"""The per-step manifest (DESIGN.md §5) and the per-producer records it is assembled from.
+"""The per-step manifest (docs/design.md#manifest) and the per-producer records it is assembled from.
 
 Each producer (a rollout replica, a trainer rank) writes its own `entry.json` in its own
 directory; the controller writes `session.json`. `manifest.json` is derived from those files,

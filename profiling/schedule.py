@@ -1,4 +1,4 @@
-"""The step schedule of DESIGN.md §2, in one place.
+"""The step schedule of docs/design.md#step-semantics, in one place.
 
 Step k is the interval that ends when version k is published: trainer mini-batches producing
 version k, rollout generation with weights k-1. A profiling *window* is a run of profiled steps

@@ -48,6 +48,15 @@ class SessionSpec(BaseModel):
     late_start: bool = False
 
 
+BackendFactory = Callable[[SessionSpec], ProfilerBackend]
+"""Makes the profiler backend of one recording."""
+
+
+def in_process_backend(spec: SessionSpec) -> ProfilerBackend:
+    """The in-process profiler that `spec.options.tool` names (torch, npu, nsys)."""
+    return create_backend(spec.options)
+
+
 class StopOutcome(BaseModel):
     step: int | None
     stopped: bool
@@ -66,7 +75,7 @@ class ProfileSession:
         store: TraceStore,
         entry_identity: ManifestEntry,
         exporter: Executor,
-        backend_factory: Callable[[ProfileOptions], ProfilerBackend] = create_backend,
+        backend_factory: BackendFactory = in_process_backend,
     ):
         self._store = store
         self._identity = entry_identity
@@ -128,7 +137,7 @@ class ProfileSession:
             raise SessionConflict(
                 f"step {self._spec.step} is being profiled; stop it before starting step {spec.step}"
             )
-        backend = self._backend_factory(spec.options)
+        backend = self._backend_factory(spec)
         out_dir = self._store.entry_dir(spec.step, self._identity)
         entry = self._identity.model_copy(
             update={
@@ -186,7 +195,7 @@ class ProfileSession:
         pending = self._pending_export(step) if was_recording else None
         if on_closed:
             on_closed(outcome)
-        if was_recording:
+        if pending is not None:
             assert backend is not None
             self._finish_recording(spec, backend, entry, pending)
         return outcome

@@ -1,4 +1,4 @@
-"""The trace store: the on-disk layout of DESIGN.md §5, atomic writes, and guards.
+"""The trace store: the on-disk layout of docs/design.md#traces-on-disk, atomic writes, and guards.
 
     <save_path>/step_<k>/manifest.json
     <save_path>/step_<k>/session.json                 controller's record

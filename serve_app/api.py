@@ -1,4 +1,4 @@
-"""The HTTP wire schema (DESIGN.md §4): every request and response body, as pydantic models.
+"""The HTTP wire schema (docs/design.md#http-api): every request and response body, as pydantic models.
 
 Pure pydantic: the trainer-side client imports this module (and nothing else of serve_app) so
 both ends share one definition of every body.
@@ -12,6 +12,7 @@ from pydantic import BaseModel, Field, field_validator
 
 from profiling.config import MAX_STEP, Activity, SafeName, StepNumber, StrictModel, Tool
 from profiling.manifest import ManifestStatus
+
 
 class StartProfileRequest(StrictModel):
     step: StepNumber = Field(description="Step k: generation served with weights version k-1.")
@@ -54,6 +55,11 @@ class InClusterWeightsRequest(StrictModel):
     resume: bool = True
 
 
+UNKNOWN_REPLICA = "unknown"
+"""The replica id of a failure that no replica's report names (none reachable, or an anonymous
+timeout)."""
+
+
 class ReplicaReport(BaseModel):
     """One replica's answer to a control call."""
 
@@ -61,7 +67,14 @@ class ReplicaReport(BaseModel):
     pid: int | None = None
     node_id: str | None = None
     ok: bool = True
-    conflict: bool = False
+    conflict: bool = Field(
+        False, description="The call contradicts this replica's state (another step recording): a 409 cause."
+    )
+    refused: bool = Field(
+        False,
+        description="This replica's engine or profiler refused the call (e.g. a tool the engine "
+        "cannot record with): when no replica starts a step, a refusal makes the answer 422, not 503.",
+    )
     state: str | None = None
     active_step: int | None = None
     weight_version: int | None = None

@@ -15,8 +15,12 @@ from ray.serve.handle import DeploymentHandle
 from ray.serve.schema import ApplicationStatus
 
 from profiling.config import describe_validation_error
+from profiling.store import TraceStore
 from serve_app.config import AppArgs
-from serve_app.control import ControlPlane
+from serve_app.control.fleet import Fleet
+from serve_app.control.profile_control import ProfileControl
+from serve_app.control.step_records import StepRecords
+from serve_app.control.weight_control import WeightControl
 from serve_app.desired_state import DesiredStateStore
 from serve_app.ingress import auth
 from serve_app.ingress.builder import make_ingress
@@ -33,7 +37,7 @@ log = logging.getLogger(__name__)
 class _Ingress(ProfileRoutesMixin, WeightRoutesMixin, OpenAIRoutesMixin, OpsRoutesMixin):
     """The single control/ingress replica: HTTP routes in front of the rollout replicas."""
 
-    async def __init__(self, replicas: DeploymentHandle, args: AppArgs):
+    async def __init__(self, replicas: DeploymentHandle, args: AppArgs):  # type: ignore[misc]  # Serve awaits it
         auth.configure(args.control_token)
         self.replicas = replicas
         self.model_name = args.model_name
@@ -41,8 +45,13 @@ class _Ingress(ProfileRoutesMixin, WeightRoutesMixin, OpenAIRoutesMixin, OpsRout
         self._desired = DesiredStateStore(app_name)
         # Created here, so it lives on this node: the one whose save_path the manifests name.
         self._collector = create_collector(app_name, args.save_path) if args.trace_collection == "ray" else None
-        self.control = ControlPlane(replicas, args, self._desired)
-        await self.control.recover()  # a restart mid-step resumes it (and its watchdog)
+        fleet = Fleet(replicas, self._desired, args.control_timeout_s)
+        self.records = StepRecords(
+            TraceStore(args.save_path, merge_on_complete=args.merge_on_complete), args.min_free_disk_mb
+        )
+        self.profile_control = ProfileControl(fleet, self.records, args)
+        self.weight_control = WeightControl(fleet, args)
+        await self.profile_control.recover()  # a restart mid-step resumes it (and its watchdog)
 
     async def __del__(self) -> None:
         # Graceful shutdown. The app's actors go with the app, but only with it: an ingress
@@ -89,8 +98,8 @@ def parse_args(args: dict[str, Any]) -> AppArgs:
 def build_app(args: dict[str, Any]) -> Application:
     """Ray Serve application builder: `args` is the `args:` block of config/serve.yaml."""
     cfg = parse_args(args)
+    placement: dict[str, Any] = {"max_replicas_per_node": cfg.max_replicas_per_node} if cfg.max_replicas_per_node else {}
     replicas = serve.deployment(
-        RolloutReplica,
         name="RolloutReplica",
         num_replicas=cfg.num_replicas,
         ray_actor_options={
@@ -100,13 +109,12 @@ def build_app(args: dict[str, Any]) -> Application:
         },
         max_ongoing_requests=256,
         health_check_period_s=2,
-        **({"max_replicas_per_node": cfg.max_replicas_per_node} if cfg.max_replicas_per_node else {}),
-    ).bind(cfg)
+        **placement,
+    )(RolloutReplica).bind(cfg)
     ingress = serve.deployment(
-        RolloutIngress,
         name="RolloutIngress",
         num_replicas=1,
         ray_actor_options={"num_cpus": 0.1},
         max_ongoing_requests=512,
-    )
+    )(RolloutIngress)
     return ingress.bind(replicas, cfg)

@@ -6,6 +6,8 @@ joins or restarts mid-session loads the current weights and joins the active ste
 
 from __future__ import annotations
 
+from typing import Any
+
 import ray
 from pydantic import BaseModel
 
@@ -24,8 +26,9 @@ class DesiredState(BaseModel):
     paused: bool = False
 
 
-@ray.remote(num_cpus=0, max_restarts=-1)
-class DesiredStateActor:
+class DesiredStateHolder:
+    """The actor's body: the state as JSON, and the ref of object-store weights."""
+
     def __init__(self) -> None:
         self._state = DesiredState().model_dump_json()
         self._weights_refs: list[ray.ObjectRef] = []
@@ -45,11 +48,15 @@ class DesiredStateActor:
         self._weights_refs = refs
 
 
+DesiredStateActor = ray.remote(num_cpus=0, max_restarts=-1)(DesiredStateHolder)
+
+
 class DesiredStateStore:
     """Typed access to the app's desired-state actor (created on first use)."""
 
     def __init__(self, app_name: str):
-        self._actor = DesiredStateActor.options(
+        # Typed Any: Ray types a created actor as "handle or class", which no call type-checks on.
+        self._actor: Any = DesiredStateActor.options(
             name=f"rollout-profiler-desired-state-{app_name}",
             namespace="serve",
             get_if_exists=True,

@@ -8,7 +8,10 @@ tests/unit/test_metrics_doc.py keeps the two in sync.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import time
+from collections.abc import AsyncIterator
 from typing import get_args
 
 from prometheus_client import Counter, Gauge, Histogram
@@ -16,8 +19,8 @@ from prometheus_client import Counter, Gauge, Histogram
 from profiling.manifest import StepManifest
 from profiling.session import SessionState
 from profiling.store import TraceStore
-from serve_app.api import ReplicaReport, StatusResponse
-from serve_app.fanout import UNKNOWN
+from serve_app.api import UNKNOWN_REPLICA, ReplicaReport, StatusResponse
+from serve_app.errors import ControlError
 
 REPLICA_STATES: tuple[str, ...] = get_args(SessionState)
 """The states of `rollout_profiler_replica_state`: every profiling session state."""
@@ -94,6 +97,19 @@ _exports_pending: dict[int, set[str]] = {}
 """Stopped steps whose manifest has not settled yet -> keys of the entries already counted."""
 
 
+@contextlib.asynccontextmanager
+async def timed_call(call: str) -> AsyncIterator[None]:
+    """Observe a control call's latency in CONTROL_SECONDS and its error status in CONTROL_CALL_ERRORS."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    except ControlError as e:
+        CONTROL_CALL_ERRORS.labels(call, str(e.status)).inc()
+        raise
+    finally:
+        CONTROL_SECONDS.labels(call).observe(time.perf_counter() - t0)
+
+
 def observe_stop(critical_path_s: float, reports: list[ReplicaReport]) -> None:
     """Record a stop of the active step: its critical path and each replica's acknowledgement."""
     STOP_CRITICAL_PATH_SECONDS.observe(critical_path_s)
@@ -151,7 +167,7 @@ def refresh_fleet(status: StatusResponse | None) -> None:
         return
     ACTIVE_STEP.set(status.active_step or 0)
     for r in status.replicas:
-        if r.replica_id == UNKNOWN:
+        if r.replica_id == UNKNOWN_REPLICA:
             continue  # an anonymous failure: no replica to label
         REPLICA_UP.labels(r.replica_id).set(1 if r.ok else 0)
         if not r.ok:

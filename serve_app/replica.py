@@ -20,10 +20,10 @@ from profiling.session import ProfileSession, SessionConflict, SessionSpec
 from profiling.store import TraceStore
 from serve_app.api import CompletionChoice, CompletionLogprobs, CompletionRequest, ReplicaReport
 from serve_app.config import AppArgs
-from serve_app.control import START_FAILED
 from serve_app.desired_state import DesiredStateStore
 from serve_app.engines import create_engine
 from serve_app.engines.base import GenerateRequest
+from serve_app.reconcile import Reconciler
 from serve_app.trace_collection import ShippingTraceStore, node_local_dir
 from serve_app.weights import WeightsError
 from serve_app.weights_transfer import keep_only, materialize_weights
@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 
 class RolloutReplica:
-    async def __init__(self, args: AppArgs):
+    async def __init__(self, args: AppArgs):  # type: ignore[misc]  # Serve awaits it
         ctx = serve.get_replica_context()
         self.replica_id = ctx.replica_tag
         self._args = args
@@ -58,14 +58,15 @@ class RolloutReplica:
             trace_root=store.root,
         )
         self._desired = DesiredStateStore(ctx.app_name)
-        self._mismatch: tuple[int | None, int | None] | None = None
-        self._joined_late: set[int] = set()
-        await self._join(self._desired)
+        self._reconciler = Reconciler(self.engine, self._desired)
+        await self._join()
 
-    async def _join(self, store: DesiredStateStore) -> None:
-        desired = await store.get()
+    async def _join(self) -> None:
+        """Converge on the desired state as this replica starts: the served weights, the
+        active step (joined late), the admission hold."""
+        desired = await self._desired.get()
         if desired.weights_in_object_store:
-            report = await self.update_weights_in_cluster(desired.weight_version, await store.weights_refs(), True)
+            report = await self.update_weights_in_cluster(desired.weight_version, await self._desired.weights_refs(), True)
             if not report.ok:
                 raise RuntimeError(f"cannot load the served weights, version {desired.weight_version}: {report.error}")
         elif desired.weight_version > 0 and desired.weights_path:
@@ -130,8 +131,8 @@ class RolloutReplica:
             started = await self.engine.start_profile(spec)
         except SessionConflict as e:
             return self._report(ok=False, conflict=True, error=str(e))
-        except Exception as e:  # noqa: BLE001 - reported per replica
-            return self._report(ok=False, error=f"{START_FAILED}: {e}")
+        except Exception as e:  # noqa: BLE001 - the engine or its profiler refused: reported per replica
+            return self._report(ok=False, refused=True, error=f"start failed: {e}")
         return self._report(state="profiling" if started else self.engine.status().state)
 
     async def stop_profile(self, step: int | None, pause: bool) -> ReplicaReport:
@@ -184,30 +185,9 @@ class RolloutReplica:
         if not self.engine.healthy():
             raise RuntimeError(f"engine {self._args.engine} is not healthy")
         try:
-            await self._reconcile()
+            await self._reconciler.check()
         except Exception:  # noqa: BLE001 - best effort: it must not fail the health check
             log.exception("could not converge on the app's desired state")
-
-    async def _reconcile(self) -> None:
-        """Converge on the desired state when a control call missed this replica. A replica
-        that is still starting is not routable, so a start or stop sent then never reaches it:
-        it would record a step the app has stopped, or miss the step being profiled. Serve's
-        health checks (every 2 s) catch that; a difference seen at two checks in a row (any
-        call in flight has landed by then) is put right here."""
-        active = self.engine.status().active_step
-        wanted = (await self._desired.get()).active
-        seen = (active, wanted.step if wanted else None)
-        if seen[0] == seen[1] or self._mismatch != seen:
-            self._mismatch = None if seen[0] == seen[1] else seen
-            return
-        self._mismatch = None
-        if active is not None:
-            log.warning("step %s is no longer profiled by the app; stopping this replica's recording", active)
-            await self.engine.stop_profile(active, pause=False)
-        if wanted is not None and wanted.step not in self._joined_late:
-            log.warning("step %s is profiled by the app but not here; joining it late", wanted.step)
-            self._joined_late.add(wanted.step)
-            await self.engine.start_profile(wanted.model_copy(update={"late_start": True}))
 
     async def __del__(self) -> None:
         await self.engine.shutdown()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -74,7 +75,7 @@ class TraceCollectorLogic:
 TraceCollector = ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=3)(TraceCollectorLogic)
 
 
-def create_collector(app_name: str, save_path: str) -> ray.actor.ActorHandle:
+def create_collector(app_name: str, save_path: str) -> Any:  # Ray types a new actor as "handle or class"
     """The app's collector, pinned to the calling process's node (the one that holds save_path)."""
     here = ray.get_runtime_context().get_node_id()
     return TraceCollector.options(
@@ -129,7 +130,7 @@ class ShippingTraceStore(TraceStore):
                 if last:
                     return
 
-    def _call(self, method: str, *args: object) -> object:
+    def _call(self, method: str, *args: object) -> Any:
         return ray.get(getattr(self._lookup(), method).remote(*args))
 
     def _lookup(self) -> ray.actor.ActorHandle:

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
+
+StateDict = dict[str, torch.Tensor]
 
 
 class WeightsError(ValueError):
@@ -50,10 +53,10 @@ def safetensors_files(path: Path) -> list[Path]:
     return sorted(f for f in path.glob("*.safetensors") if f.is_file())
 
 
-def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+def read_state_dict(path: Path) -> StateDict:
     """All tensors of a safetensors file or directory, on CPU. A tensor in two files is an
     error: which copy is meant is not knowable (a stale shard left beside a new checkpoint?)."""
-    state: dict[str, torch.Tensor] = {}
+    state: StateDict = {}
     source: dict[str, str] = {}
     for f in safetensors_files(path):
         try:
@@ -68,3 +71,15 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
         state.update(shard)
         source.update(dict.fromkeys(shard, f.name))
     return state
+
+
+def stage_weights(path: Path, staging: Path) -> Path:
+    """A directory holding exactly the safetensors files of `path`: engines that load every
+    safetensors file of a directory get a directory of one file when `path` is a file (the
+    trainer's weights directory holds several versions side by side). `staging` is replaced."""
+    if path.is_dir():
+        return path
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    os.symlink(path.resolve(), staging / "model.safetensors")
+    return staging

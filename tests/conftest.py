@@ -1,17 +1,54 @@
-"""Shared fixtures: a private local Ray cluster (never a stale one) and a real Serve app."""
+"""Shared fixtures: a trace store, session specs, a private local Ray cluster (never a stale one)
+and a real Serve app."""
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from profiling.config import ProfileOptions
+from profiling.session import SessionSpec
+from profiling.store import TraceStore
+
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # single machine: bind 127.0.0.1
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> TraceStore:
+    """A trace store under the test's temporary directory (no background merges: a test that
+    wants them builds its own `TraceStore(..., merge_on_complete=True)`)."""
+    return TraceStore(tmp_path / "profile")
+
+
+@pytest.fixture(scope="session")
+def spec() -> Callable[..., SessionSpec]:
+    """Builds a SessionSpec: `spec(step=1, steps=None, tag=None, late_start=False, **options)`.
+
+    `steps` defaults to `[step]`; `options` are ProfileOptions fields (their defaults otherwise).
+    Session-scoped (it holds no state) so module-scoped fixtures can use it too."""
+
+    def make(
+        step: int = 1,
+        steps: list[int] | None = None,
+        tag: str | None = None,
+        late_start: bool = False,
+        **options: object,
+    ) -> SessionSpec:
+        return SessionSpec(
+            step=step,
+            steps=[step] if steps is None else steps,
+            options=ProfileOptions(**options),
+            tag=tag,
+            late_start=late_start,
+        )
+
+    return make
 
 
 @dataclass
@@ -28,7 +65,7 @@ class ServeApp:
 @pytest.fixture(scope="session")
 def ray_cluster() -> Iterator[int]:
     """A fresh local Ray + Serve on a free loopback port (yielded), shut down at the end."""
-    from serve_app.local import local_cluster
+    from trainer.local_app import local_cluster
 
     with local_cluster() as port:
         yield port
@@ -37,14 +74,14 @@ def ray_cluster() -> Iterator[int]:
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory) -> Path:
     """The tiny model, built once per run in a private cache; replicas load it by path."""
-    from serve_app.engines.tiny_model import ensure_tiny_model
+    from serve_app.tiny_model import ensure_tiny_model
 
     return ensure_tiny_model(cache_dir=tmp_path_factory.mktemp("model-cache"))
 
 
 def deploy(ray_cluster: int, model_dir: Path, tmp: Path, name: str, **overrides) -> ServeApp:
     """Deploy the app under `/<name>` (or `/` for 'rollout') with test-sized args."""
-    from serve_app.local import run_app
+    from trainer.local_app import run_app
 
     args = {
         "num_replicas": 2,

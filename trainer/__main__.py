@@ -47,8 +47,8 @@ def main(
     if report is not None:
         index, merge_errors = report
         console.print(f"report: {index}", soft_wrap=True)  # one line, for scripts
-        for e in merge_errors:
-            console.print(f"[red]error:[/red] {e}")
+        for message in merge_errors:
+            console.print(f"[red]error:[/red] {message}")
         if merge_errors:
             raise typer.Exit(1)
     if any(m is None or m.status != "complete" for m in manifests.values()):

@@ -6,17 +6,18 @@ CLI through the `rollout_profiler.app_commands` entry point (pyproject.toml).
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any, TypeVar
 
 import typer
 from pydantic import BaseModel
 from rich.table import Table
 
 from profiling.cli import EXIT_FAILED, EXIT_UNREACHABLE, AsJson, _fail, _print_json, out
-from serve_app.api import ReplicaReport
+from serve_app.api import ReplicaReport, StartProfileResponse, StatusResponse, StopProfileResponse
 from trainer.client import RolloutError, SyncRolloutClient
 
 TOKEN_ENV = "ROLLOUT_CONTROL_TOKEN"
+R = TypeVar("R", bound=BaseModel)
 
 Url = Annotated[str, typer.Option(help="The app's base URL, e.g. http://127.0.0.1:8000.")]
 Token = Annotated[
@@ -28,17 +29,23 @@ Token = Annotated[
 Timeout = Annotated[float, typer.Option(help="Seconds to wait for the app's answer.")]
 
 
-def _call(url: str, token: str | None, timeout: float, method: str, *args, **kwargs) -> BaseModel:
-    """One call through the client; exits 3 if the app cannot be reached and 1 if it refuses."""
+def _call(
+    url: str, token: str | None, timeout: float, model: type[R], method: str, *args: Any, **kwargs: Any
+) -> R:
+    """One call through the client (`method` answers a `model`); exits 3 if the app cannot be
+    reached and 1 if it refuses."""
     # No retries: a script calling the CLI decides itself whether to try again.
     with SyncRolloutClient(url, control_token=token, timeout_s=timeout, retries=0, backlog_wait_s=0) as client:
         try:
-            return getattr(client, method)(*args, **kwargs)
+            answer = getattr(client, method)(*args, **kwargs)
         except RolloutError as e:
             if e.status == 0:
                 _fail(EXIT_UNREACHABLE, f"{e.detail} at {url}; check --url and that the app is running")
             hint = f" (pass --token or set ${TOKEN_ENV})" if e.status == 401 else ""
             _fail(EXIT_FAILED, f"{e}{hint}")
+        # The sync client forwards methods by name (untyped); the async method validated `model`.
+        assert isinstance(answer, model)
+        return answer
 
 
 def _replicas_done(data: BaseModel, replicas: list[ReplicaReport], as_json: bool, title: str) -> None:
@@ -67,7 +74,7 @@ def _replicas_done(data: BaseModel, replicas: list[ReplicaReport], as_json: bool
 
 def status(url: Url, token: Token = None, timeout: Timeout = 30.0, as_json: AsJson = False) -> None:
     """GET /profile/status: the active step (or idle), weight version, and each replica's state."""
-    st = _call(url, token, timeout, "status")
+    st = _call(url, token, timeout, StatusResponse, "status")
     title = f"{st.state} (step {st.active_step}, weights v{st.weight_version}, paused {st.paused})"
     _replicas_done(st, st.replicas, as_json, title)
 
@@ -89,7 +96,13 @@ def start(
     """POST /profile/start: start profiling STEP on every replica."""
     options = {"tag": tag, "max_forward_steps": max_forward_steps, "max_duration_s": max_duration_s}
     started = _call(
-        url, token, timeout, "start_profile", step, **{k: v for k, v in options.items() if v is not None}
+        url,
+        token,
+        timeout,
+        StartProfileResponse,
+        "start_profile",
+        step,
+        **{k: v for k, v in options.items() if v is not None},
     )
     _replicas_done(started, started.replicas, as_json, f"step {started.step}: {started.state}")
 
@@ -102,7 +115,7 @@ def stop(
     as_json: AsJson = False,
 ) -> None:
     """POST /profile/stop: stop STEP; traces are exported in the background (see `list`)."""
-    stopped = _call(url, token, timeout, "stop_profile", step)
+    stopped = _call(url, token, timeout, StopProfileResponse, "stop_profile", step)
     if not stopped.stopped and not as_json:
         out.print("nothing was being profiled", markup=False)
         return

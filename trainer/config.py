@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, model_validator
 
 from profiling.config import GlobalProfilerConfig, ProfileOptions, StrictModel, describe_validation_error
 
@@ -14,9 +15,14 @@ from profiling.config import GlobalProfilerConfig, ProfileOptions, StrictModel, 
 class TrainerSection(StrictModel):
     total_versions: int = Field(30, ge=1, description="Weight versions to publish.")
     trigger_parameter_sync_step: int = Field(2, ge=1, description="Mini-batches per version.")
-    mini_batch_size: int = Field(16, ge=2)
-    lr: float = Field(0.01, gt=0)
-    seed: int = 0
+    mini_batch_size: int = Field(
+        16,
+        ge=2,
+        description="Samples per optimizer step (dropped stale samples do not count); at least 2: "
+        "advantages are normalised within the mini-batch.",
+    )
+    lr: float = Field(0.01, gt=0, description="Adam learning rate of the policy.")
+    seed: int = Field(0, description="Seed of torch's RNG in the trainer process, set before the policy loads.")
     clip_ratio: float = Field(0.2, gt=0, description="PPO-style ratio clip for stale samples.")
     reward_text: str = Field(" the", description="Reward: share of completion tokens equal to this token.")
     model_path: str | None = Field(None, description="Initial HF checkpoint; null: the app's tiny Llama.")
@@ -26,23 +32,60 @@ class TrainerSection(StrictModel):
 
 class RolloutSection(StrictModel):
     url: str | None = Field(None, description="A running app; null starts one from serve_config.")
-    serve_config: str = "config/serve.yaml"
-    control_token: str | None = None
+    serve_config: str = Field(
+        "config/serve.yaml",
+        description="Serve config whose first application is started when url is null; its args get "
+        "save_path, weights_dir and model_path from this config.",
+    )
+    control_token: str | None = Field(
+        None,
+        description="The app's control_token, sent as a Bearer token to url; unused when the trainer "
+        "starts the app (it uses that app's).",
+    )
     max_staleness: int = Field(2, ge=0, description="Drop samples older than this many versions.")
-    max_tokens: int = Field(16, ge=1)
-    temperature: float = Field(1.0, gt=0)
+    max_tokens: int = Field(16, ge=1, description="Completion tokens generated per prompt (the requests' max_tokens).")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature of the completion requests.")
     concurrency: int = Field(4, ge=1, description="Completion requests in flight.")
-    prompts_per_request: int = Field(4, ge=1)
+    prompts_per_request: int = Field(
+        4, ge=1, description="Prompts per /v1/completions request; each completion is one training sample."
+    )
 
 
 class TrainerConfig(StrictModel):
-    global_profiler: GlobalProfilerConfig = Field(default_factory=GlobalProfilerConfig)
-    profiler: ProfileOptions = Field(default_factory=ProfileOptions, description="Trainer-side window options.")
-    trainer: TrainerSection = Field(default_factory=TrainerSection)
-    rollout: RolloutSection = Field(default_factory=RolloutSection)
+    global_profiler: GlobalProfilerConfig = Field(
+        default_factory=GlobalProfilerConfig,
+        description="verl's global_profiler: the profiled steps (trainer and rollout side), the "
+        "trainer-side tool, and the traces' root.",
+    )
+    profiler: ProfileOptions = Field(
+        default_factory=ProfileOptions,
+        description="Trainer-side window options; its tool is global_profiler.tool's.",
+    )
+    trainer: TrainerSection = Field(
+        default_factory=TrainerSection,
+        description="The training loop: versions to publish, mini-batches, optimizer, published weights.",
+    )
+    rollout: RolloutSection = Field(
+        default_factory=RolloutSection, description="The rollout app the trainer samples from, and how it samples."
+    )
     profile_export_timeout_s: float = Field(
         600.0, gt=0, description="At the end, how long to wait for profiled steps' traces."
     )
+
+    @model_validator(mode="after")
+    def _one_trainer_tool(self) -> TrainerConfig:
+        """global_profiler.tool (verl's key) selects the trainer-side profiler; profiler.tool
+        may repeat it but not contradict it."""
+        chosen = self.global_profiler.tool
+        if chosen is None:
+            return self
+        if "tool" in self.profiler.model_fields_set and self.profiler.tool != chosen:
+            raise ValueError(
+                f"global_profiler.tool is {chosen!r} but profiler.tool is {self.profiler.tool!r}: the trainer "
+                "records with one tool; remove profiler.tool or make them agree"
+            )
+        self.profiler = self.profiler.merged(tool=chosen)
+        return self
 
 
 class ConfigError(ValueError):
@@ -67,7 +110,7 @@ def apply_override(data: dict[str, Any], override: str) -> None:
         raise ConfigError(f"override {override!r}: value is not valid YAML ({e})") from e
 
 
-def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainerConfig:
+def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> TrainerConfig:
     data: dict[str, Any] = {}
     if path is not None:
         try:

@@ -12,7 +12,7 @@ import torch
 from ray import serve
 
 from serve_app.api import UpdateWeightsResponse
-from serve_app.control import ControlError
+from serve_app.errors import ControlError
 from trainer.client import RolloutError
 
 

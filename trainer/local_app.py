@@ -1,8 +1,10 @@
-"""Start a private local Ray + the rollout app of a Serve config file, for the main job."""
+"""A private single-machine Ray cluster and the rollout app on it: the main job's local app,
+and the harness of the tests and benchmarks."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,12 +21,48 @@ class LocalApp(BaseModel):
 
 
 @contextlib.contextmanager
+def local_cluster(num_cpus: int | None = None) -> Iterator[int]:
+    """A fresh local Ray with Serve's HTTP proxy on a free loopback port (yielded). Uses
+    address='local', so a stale cluster left by a killed head is never dialled; shuts both
+    down on exit so no process outlives the caller."""
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # bind 127.0.0.1
+    import ray
+    from ray import serve
+
+    from serve_app.net import free_port
+
+    ray.init(
+        address="local",
+        num_cpus=num_cpus or max(4, os.cpu_count() or 1),
+        include_dashboard=False,
+        log_to_driver=False,
+    )
+    try:
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        yield port
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def run_app(port: int, name: str, args: dict[str, Any], route_prefix: str = "/") -> str:
+    """Deploy the app with `args` under `route_prefix` on the local cluster serving HTTP on
+    `port`; returns its base URL."""
+    from ray import serve
+
+    from serve_app.app import build_app
+
+    serve.run(build_app(args), name=name, route_prefix=route_prefix)
+    return f"http://127.0.0.1:{port}" + ("" if route_prefix == "/" else route_prefix)
+
+
+@contextlib.contextmanager
 def local_rollout_app(serve_config: str | Path, overrides: dict[str, Any]) -> Iterator[LocalApp]:
     """Run the first application of `serve_config` with `overrides` applied to its args, on a
     private local cluster bound to loopback. `replica_env` in `overrides` adds to the config's."""
     from serve_app.app import parse_args
-    from serve_app.engines.tiny_model import ensure_tiny_model
-    from serve_app.local import local_cluster, run_app
+    from serve_app.tiny_model import ensure_tiny_model
 
     try:
         spec = yaml.safe_load(Path(serve_config).read_text())["applications"][0]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -118,9 +118,11 @@ async def run_training(
             for version in range(1, t.total_versions + 1):
                 stats = await _train_version(cfg, policy, sync, queue, producers, executor, version, result)
                 path = weights_dir / f"v{version}.safetensors"
-                report = await sync.sync(
-                    version, lambda p=path: loop.run_in_executor(executor, policy.save, p)
-                )
+
+                def publish(p: Path = path) -> Awaitable[Path]:
+                    return loop.run_in_executor(executor, policy.save, p)
+
+                report = await sync.sync(version, publish)
                 _prune(weights_dir, version, t.keep_versions)
                 stats.sync = report.cost
                 result.versions.append(stats)
@@ -148,7 +150,9 @@ async def _train_version(
     """The mini-batches that produce `version` (trained from version-1)."""
     t = cfg.trainer
     loop = asyncio.get_running_loop()
-    rewards, losses, staleness = [], [], []
+    rewards: list[float] = []
+    losses: list[float] = []
+    staleness: list[int] = []
     t0, taken = time.perf_counter(), 0
     for _ in range(t.trigger_parameter_sync_step):
         batch: list[Sample] = []
@@ -186,8 +190,8 @@ async def _next_sample(queue: asyncio.Queue[Sample], producers: list[asyncio.Tas
             return await asyncio.wait_for(queue.get(), timeout=1.0)
         except TimeoutError:
             for p in producers:
-                if p.done() and not p.cancelled() and p.exception() is not None:
-                    raise p.exception() from None
+                if p.done() and not p.cancelled() and (exc := p.exception()) is not None:
+                    raise exc from None
 
 
 def _prune(weights_dir: Path, version: int, keep: int) -> None:

@@ -5,7 +5,7 @@
         await sync.sync(k, publish)                                  # at each new version
     # end(): whatever is active is stopped, also on an exception
 
-At the sync publishing version k (DESIGN.md §2): if step k is profiled, stop it with admission
+At the sync publishing version k (docs/design.md#sync-order): if step k is profiled, stop it with admission
 held; update the weights (keeping the hold if step k+1 is profiled); start step k+1 if profiled.
 A sync whose steps are not profiled makes no profiling call at all. The trainer's own
 torch.profiler window per profiled step covers the mini-batches that produce version k and is
@@ -143,8 +143,8 @@ class ProfiledWeightSync:
             cost.start_s = time.perf_counter() - t0
             self.active = plan.start_step
         # Trainer-side window: off the rollout's critical path (nothing trains during a sync).
-        if plan.update_inside_window and self._session is not None:
-            await self._on_model_thread(lambda: self._session.mark_weight_update(version, lambda: None))
+        if plan.update_inside_window and (session := self._session) is not None:
+            await self._on_model_thread(lambda: session.mark_weight_update(version, lambda: None))
         if plan.stop_step is not None:
             await self._stop_trainer(plan.stop_step, cost)
         if plan.start_step is not None:
@@ -171,10 +171,10 @@ class ProfiledWeightSync:
 
     # -- trainer-side profiling --------------------------------------------------------------
     async def _start_trainer(self, label: int) -> None:
-        if self._session is None:
+        if (session := self._session) is None:
             return
         spec = SessionSpec(step=label, steps=list(self.schedule.window_steps(label)), options=self.options)
-        await self._on_model_thread(lambda: self._session.start(spec, self._version))
+        await self._on_model_thread(lambda: session.start(spec, self._version))
 
     async def _stop_trainer(self, label: int, cost: SyncCost | None) -> None:
         if self._session is None:

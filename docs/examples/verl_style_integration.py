@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.model_path is None:
         # An app with `model_path: null` serves the tiny Llama built from the same seed.
-        from serve_app.engines.tiny_model import ensure_tiny_model
+        from serve_app.tiny_model import ensure_tiny_model
 
         args.model_path = str(ensure_tiny_model())
     asyncio.run(fit(args))

@@ -27,8 +27,11 @@ class Delta(BaseModel):
 
     @classmethod
     def of(cls, name: str, a: float | None, b: float | None, role: Role | None = None) -> Delta:
-        delta = None if a is None or b is None else round(b - a, 4)
-        ratio = None if delta is None or not a else round(b / a, 3)
+        delta: float | None = None
+        ratio: float | None = None
+        if a is not None and b is not None:
+            delta = round(b - a, 4)
+            ratio = round(b / a, 3) if a else None
         return cls(name=name, role=role, a_ms=a, b_ms=b, delta_ms=delta, ratio=ratio)
 
 

@@ -7,12 +7,13 @@ for the file. `sniff` decides from a file's head whether it is a Chrome trace at
 from __future__ import annotations
 
 import gzip
+import io
 import re
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import ijson
 
@@ -41,7 +42,7 @@ class TraceFormat:
     """`baseTimeNanoseconds`: absolute time of `ts == 0` (None: the header has none)."""
 
 
-def open_binary(path: Path) -> BinaryIO:
+def open_binary(path: Path) -> io.BufferedIOBase:
     """The file's decompressed bytes (gzip by suffix)."""
     return gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")
 
@@ -73,7 +74,7 @@ def iter_events(
     """Every event of the trace, in file order. `on_progress(n)` is called with the number of
     on-disk bytes read since its last call (for progress bars)."""
     with open(path, "rb") as raw:
-        stream: BinaryIO = gzip.GzipFile(fileobj=raw) if path.name.endswith(".gz") else raw
+        stream: io.BufferedIOBase = gzip.GzipFile(fileobj=raw) if path.name.endswith(".gz") else raw
         reported = 0
         for i, ev in enumerate(ijson.items(stream, fmt.events_prefix, use_float=True), 1):
             if isinstance(ev, dict):

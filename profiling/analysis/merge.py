@@ -105,9 +105,12 @@ def merge_step(
         digest = store.records_digest(step)
         if only_if_stale:
             last = store.read_merge(step)
-            done = last is not None and last.digest == digest
             # A failed merge is not retried on the same records (the next change retries it).
-            if done and (last.status == "error" or (step_dir / MERGED_TRACE).is_file()):
+            if (
+                last is not None
+                and last.digest == digest
+                and (last.status == "error" or (step_dir / MERGED_TRACE).is_file())
+            ):
                 return None
         manifest = load_manifest(store, step)
         t0 = time.perf_counter()
@@ -278,7 +281,7 @@ class _Timeline:
         self.entries = group_order(manifest.entries)
         self.main_pid = {i: self._main_pid(i) for i in range(len(self.entries))}
         self.slices = list(self._control_slices()) + list(self._window_slices())
-        anchors = [s.min_wall_ns for s in spooled if s.min_wall_ns is not None]
+        anchors: list[float] = [s.min_wall_ns for s in spooled if s.min_wall_ns is not None]
         anchors += [s.at * 1e9 for s in self.slices]
         # One common origin, at or before everything: merged timestamps are never negative.
         self.base_ns = int(math.floor(min(anchors) / 1000)) * 1000 if anchors else 0

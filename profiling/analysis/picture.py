@@ -9,7 +9,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from profiling.analysis.summary import StepSummary
+from profiling.analysis.summary import ProcessSummary, StepSummary
 
 COLORS = {
     "window": "#e3e6ea",
@@ -25,11 +25,12 @@ MIN_VISIBLE = 0.002
 
 def timeline_png(summary: StepSummary, width_in: float = 12.0, dpi: int = 90) -> bytes:
     """The step's timeline as PNG bytes (matplotlib's Agg canvas: no display needed)."""
-    rows = [("control calls", None)] + [(_row_name(p.key, p.weight_versions), p) for p in summary.processes]
+    rows: list[tuple[str, ProcessSummary | None]] = [("control calls", None)]
+    rows += [(_row_name(p.key, p.weight_versions), p) for p in summary.processes]
     times = [c.start for c in summary.control] + [c.start + c.dur_s for c in summary.control]
-    for p in summary.processes:
-        times += [t for t in (p.started_at, p.stopped_at) if t is not None]
-        times += [ph.start for ph in p.phases] + [ph.start + ph.dur_s for ph in p.phases]
+    for proc in summary.processes:
+        times += [t for t in (proc.started_at, proc.stopped_at) if t is not None]
+        times += [ph.start for ph in proc.phases] + [ph.start + ph.dur_s for ph in proc.phases]
     t0 = min(times) if times else 0.0
     span = (max(times) - t0) if times else 1.0
     span = span or 1.0

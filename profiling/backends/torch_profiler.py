@@ -25,13 +25,14 @@ _ACTIVITIES = {"cpu": ProfilerActivity.CPU, "cuda": ProfilerActivity.CUDA}
 
 class TorchRecordedTrace(RecordedTrace):
     def __init__(self, prof: profile):
-        self._prof = prof
+        self._prof: profile | None = prof
 
     def export(self, out_dir: Path) -> list[Path]:
         out_dir.mkdir(parents=True, exist_ok=True)
         path = out_dir / TRACE_FILE
         plain, packed = out_dir / f".{TRACE_FILE}.tmp.json", out_dir / f".{TRACE_FILE}.tmp.gz"
         prof, self._prof = self._prof, None
+        assert prof is not None, "a recording is exported once"
         try:
             prof.export_chrome_trace(str(plain))
         finally:
@@ -52,6 +53,7 @@ class TorchRecordedTrace(RecordedTrace):
 
 class TorchProfilerBackend(ProfilerBackend):
     trace_files = (TRACE_FILE,)
+    _prof: profile | None  # set by _start, cleared by _stop
 
     def _start(self) -> None:
         if "cuda" in self.options.activities and not torch.cuda.is_available():
@@ -68,6 +70,7 @@ class TorchProfilerBackend(ProfilerBackend):
 
     def _stop(self) -> RecordedTrace:
         prof, self._prof = self._prof, None
+        assert prof is not None  # stop() only calls _stop after a successful _start
         prof.stop()
         return TorchRecordedTrace(prof)
 

@@ -1,14 +1,56 @@
-"""What a rollout engine offers the replica: generation, profiling, weight updates, status."""
+"""The engine contract: `RolloutEngine` owns the whole control policy; each engine fills hooks.
+
+The public methods own the state and its guards (docs/design.md#exact-attribution):
+
+* every profiling-session call runs on the engine's one control thread (`ControlThread`);
+  `stop(pause)`, `update_weights` and `start` are serialised by one lock, so an update never
+  overlaps the finalize of the stop before it, and a start never overlaps either;
+* the admission hold: a stop with `pause`, or an update with `resume: false`, admits no new
+  engine step until the next start or resuming update, or until `hold_timeout_s` passes;
+* a stop is acknowledged as soon as no further engine step can enter the window, then the
+  profiler finalizes on the control thread and the export runs in the background;
+* a weight update reads its file before taking the lock (overlapping a finalize), then loads
+  it between engine steps, and serves the old version if the load fails.
+
+Engines (`transformers_engine.py`, `vllm_engine.py`, `sglang_engine.py`) supply only the hooks:
+`_open`, `_generate`, `_profiler`, `_pause`, `_resume`, `_read_weights`, `_load_weights`,
+`_healthy`, `_close`, and, where forward passes run in this process, `_engine_step`.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+import threading
+import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import ClassVar, Generic, TypeVar
 
 from pydantic import BaseModel, Field
 
+from profiling.backends.base import ProfilerBackend
 from profiling.manifest import ManifestEntry
-from profiling.session import ProfileSession, SessionSpec, StopOutcome
+from profiling.session import BackendFactory, ProfileSession, SessionSpec, SessionState, StopOutcome
+from serve_app.config import AppArgs
+from serve_app.engines.control_thread import ControlThread
+from serve_app.engines.options import ENGINE_OPTIONS
+from serve_app.engines.tokenizer import HfTokenizerMixin
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+W = TypeVar("W")
+
+SessionFactory = Callable[[BackendFactory], ProfileSession]
+"""Makes the replica's profiling session around the engine's profiler hook."""
+
+# After a stop is acknowledged, how long the control thread waits for the event loop to take the
+# answer, and then for the answer to be sent, before the finalize runs: an in-process profiler's
+# finalize holds the GIL for its whole duration.
+_ACK_WAIT_S = 0.5
+_ACK_GRACE_S = 0.02
 
 
 class GenerateRequest(BaseModel):
@@ -26,7 +68,7 @@ class GenerateResult(BaseModel):
 
 
 class EngineStatus(BaseModel):
-    state: str
+    state: SessionState
     active_step: int | None
     weight_version: int
     paused: bool
@@ -34,54 +76,192 @@ class EngineStatus(BaseModel):
     """Forward passes recorded in the active window."""
     forward_steps_by_version: dict[int, int]
     """All forward passes this engine ran, by weight version (recorded or not)."""
-    exports_pending: int
 
 
-class RolloutEngine(ABC):
-    """One engine inside one replica. Profiling calls are keyed by the step they belong to."""
+class RolloutEngine(HfTokenizerMixin, ABC, Generic[W]):
+    """One engine inside one replica. `W` is what `_read_weights` hands to `_load_weights`."""
 
-    model_name: str
-    weight_version: int
-    _session: ProfileSession
-    """The replica's profiling session (its state and exports are what `status` reports)."""
+    steps_on_control_thread: ClassVar[bool] = False
+    """Whether this engine's forward passes run on the control thread (`_engine_step`). Then a
+    stop closes the window between two of them even without `pause`; otherwise only a paused
+    engine has closed the window when the session acknowledges the stop."""
+
+    def __init__(self, *, args: AppArgs, model_dir: Path, session_factory: SessionFactory, trace_dir: Path):
+        """`trace_dir`: this replica's directory for files an engine's own profiler writes."""
+        self.model_name = args.model_name
+        self.trace_dir = trace_dir
+        self.weight_version = 0
+        self._options = ENGINE_OPTIONS[args.engine]
+        self._built_profiler = args.profiler
+        self._hold_timeout_s = args.hold_timeout_s
+        self._load_tokenizer(model_dir)
+        self._open(args, model_dir)
+        self._session = session_factory(self._profiler)
+        self._thread = ControlThread(
+            self._engine_step if self.steps_on_control_thread else None, self._session.check_deadline
+        )
+        self._control = asyncio.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._held = False
+        self._hold_timer: asyncio.TimerHandle | None = None
+        self._engine_paused = False
+        # Requests in flight -> the weight versions the engine ran while each was in flight.
+        self._in_flight: dict[int, set[int]] = {}
+
+    # -- hooks ---------------------------------------------------------------------------------
+    @abstractmethod
+    def _open(self, args: AppArgs, model_dir: Path) -> None:
+        """Build or reach the engine serving `model_dir` (in the replica's constructor)."""
 
     @abstractmethod
-    def tokenize(self, text: str) -> list[int]: ...
+    async def _generate(self, request: GenerateRequest) -> GenerateResult:
+        """Generate for a prompt whose token ids are in the model's vocabulary."""
 
     @abstractmethod
-    def detokenize(self, token_ids: list[int]) -> str: ...
+    def _profiler(self, spec: SessionSpec) -> ProfilerBackend:
+        """The profiler that records this engine for `spec` (started and stopped by the session
+        on the control thread; the loop of `_loop` is the replica's event loop)."""
 
     @abstractmethod
-    def token_strings(self, token_ids: list[int]) -> list[str]: ...
+    async def _pause(self) -> None:
+        """Admit no new engine step; requests in flight wait (they are not aborted)."""
 
     @abstractmethod
-    async def generate(self, request: GenerateRequest) -> GenerateResult: ...
+    async def _resume(self) -> None:
+        """Admit engine steps again."""
 
     @abstractmethod
+    async def _read_weights(self, path: Path) -> W:
+        """Prepare `path` (a safetensors file or directory) for loading; runs before the control
+        lock is taken, so it may overlap the finalize of the stop before it."""
+
+    @abstractmethod
+    async def _load_weights(self, weights: W, version: int) -> None:
+        """Load `weights` as `version` while no engine step runs; reset prefix caches."""
+
+    @abstractmethod
+    def _healthy(self) -> bool: ...
+
+    @abstractmethod
+    async def _close(self) -> None:
+        """Release the engine (the control thread is already stopped)."""
+
+    def _engine_step(self) -> bool:
+        """One engine step on the control thread (with `steps_on_control_thread`); False when
+        there was nothing to do."""
+        return False
+
+    def _forward_steps_by_version(self) -> dict[int, int]:
+        """All forward passes run, by weight version ({}: the engine does not say)."""
+        return {}
+
+    # -- generation --------------------------------------------------------------------------
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        self.check_prompt(request.prompt_token_ids)
+        return await self._generate(request)
+
+    @contextlib.contextmanager
+    def versions_seen(self) -> Iterator[set[int]]:
+        """Around one request of an engine that reports no per-token version: the weight versions
+        the engine ran while it was in flight (a request held across an update ran only with
+        the new weights, one in flight across it with both)."""
+        seen: set[int] = set() if self._engine_paused else {self.weight_version}
+        key = id(seen)
+        self._in_flight[key] = seen
+        try:
+            yield seen
+        finally:
+            del self._in_flight[key]
+
+    # -- profiling and weights ------------------------------------------------------------------
     async def start_profile(self, spec: SessionSpec) -> bool:
-        """Start recording; resumes admission. False: that step was already recording."""
+        """Start recording `spec`; always ends an admission hold. False: that step was already
+        recording. ValueError: this engine cannot record with `spec.options`."""
+        async with self._control:
+            try:
+                self._options.check_profiler(spec.options, self._built_profiler)
+                return await self._on_thread(lambda: self._session.start(spec, self.weight_version))
+            finally:
+                await self._release()
 
-    @abstractmethod
     async def stop_profile(self, step: int | None, pause: bool) -> StopOutcome:
-        """Stop recording `step` (None: only apply `pause`); answer once the window is closed."""
+        """Stop recording `step` (None: only apply `pause`); answers once no further engine step
+        can enter the window, before the profiler's finalize."""
+        loop = asyncio.get_running_loop()
+        await self._control.acquire()
+        try:
+            if pause:
+                await self._hold()
+        except BaseException:
+            self._control.release()
+            raise
+        acked: asyncio.Future[StopOutcome] = loop.create_future()
+        delivered = threading.Event()
 
-    @abstractmethod
+        def resolve(outcome: StopOutcome) -> None:
+            if not acked.done():
+                acked.set_result(outcome)
+            delivered.set()
+
+        def ack(outcome: StopOutcome) -> None:  # on the control thread, before the finalize
+            loop.call_soon_threadsafe(resolve, outcome)
+            delivered.wait(_ACK_WAIT_S)
+            time.sleep(_ACK_GRACE_S)
+
+        closes_at_ack = pause or self.steps_on_control_thread
+
+        def stop() -> StopOutcome:
+            if step is None:
+                return StopOutcome(step=None, stopped=False)
+            return self._session.stop(step, ack if closes_at_ack else None)
+
+        done = asyncio.ensure_future(self._on_thread(stop))
+        done.add_done_callback(lambda _: self._control.release())
+        await asyncio.wait([acked, done], return_when=asyncio.FIRST_COMPLETED)
+        return acked.result() if acked.done() else done.result()
+
     async def update_weights(self, version: int, path: str | None, resume: bool) -> float:
         """Load `path` as `version` between engine steps; returns seconds spent. Afterwards
         admission is open if `resume`, else held until the next start (or the hold timeout)."""
+        t0 = time.perf_counter()
+        weights = await self._read_weights(Path(path)) if path is not None and version != self.weight_version else None
+        async with self._control:
+            if weights is not None and version != self.weight_version:
+                was_held = self._held
+                if not was_held:
+                    await self._pause_engine()
+                try:
+                    await self._load_weights(weights, version)
+                except BaseException:
+                    if not was_held:  # keep serving the old weights; the load error is the answer
+                        try:
+                            await self._resume_engine()
+                        except Exception:  # noqa: BLE001 - logged, the load error is raised
+                            log.exception("resuming the engine after a failed weight load failed")
+                    raise
+                self.weight_version = version
+                if not was_held:
+                    await self._resume_engine()
+            if resume:
+                await self._release()
+            else:  # hold for the /profile/start that follows: nothing runs unprofiled on `version`
+                await self._hold()
+        return time.perf_counter() - t0
 
     async def wait_exported(self, step: int, timeout_s: float) -> ManifestEntry | None:
         """This replica's final entry for `step` once its export is done (None: none)."""
         return await asyncio.to_thread(self._session.wait_exported, step, timeout_s)
 
+    # -- state ---------------------------------------------------------------------------------
     @property
-    @abstractmethod
+    def active_step(self) -> int | None:
+        """The step being recorded (or capped, awaiting its stop)."""
+        return self._session.active_step
+
+    @property
     def paused(self) -> bool:
         """Whether admission of new engine steps is held."""
-
-    def forward_steps_by_version(self) -> dict[int, int]:
-        """All forward passes run, by weight version ({}: the engine does not say)."""
-        return {}
+        return self._held
 
     def status(self) -> EngineStatus:
         return EngineStatus(
@@ -90,12 +270,56 @@ class RolloutEngine(ABC):
             weight_version=self.weight_version,
             paused=self.paused,
             forward_steps=self._session.forward_steps,
-            forward_steps_by_version=self.forward_steps_by_version(),
-            exports_pending=self._session.exports_pending,
+            forward_steps_by_version=self._forward_steps_by_version(),
         )
 
-    @abstractmethod
-    def healthy(self) -> bool: ...
+    def healthy(self) -> bool:
+        return self._thread.alive() and self._healthy()
 
-    @abstractmethod
-    async def shutdown(self) -> None: ...
+    async def shutdown(self) -> None:
+        if self._hold_timer is not None:
+            self._hold_timer.cancel()
+        await asyncio.to_thread(self._thread.shutdown)
+        await self._close()
+
+    # -- internals -----------------------------------------------------------------------------
+    async def _on_thread(self, fn: Callable[[], T]) -> T:
+        """Run `fn` on the control thread; the engine's profiler hooks reach the event loop
+        through `_loop`."""
+        self._loop = asyncio.get_running_loop()
+        return await asyncio.wrap_future(self._thread.submit(fn))
+
+    async def _pause_engine(self) -> None:
+        await self._pause()
+        self._engine_paused = True
+
+    async def _resume_engine(self) -> None:
+        await self._resume()
+        self._engine_paused = False
+        for seen in self._in_flight.values():
+            seen.add(self.weight_version)
+
+    async def _hold(self) -> None:
+        """Admit no engine step until the next start or resuming update, or the hold timeout."""
+        if not self._held:
+            await self._pause_engine()
+            self._held = True
+        if self._hold_timer is not None:
+            self._hold_timer.cancel()
+        self._hold_timer = asyncio.get_running_loop().call_later(
+            self._hold_timeout_s, lambda: asyncio.ensure_future(self._hold_expired())
+        )
+
+    async def _hold_expired(self) -> None:
+        async with self._control:
+            if self._held:
+                log.warning("admission hold expired without a weight update or start; resuming")
+                await self._release()
+
+    async def _release(self) -> None:
+        if self._hold_timer is not None:
+            self._hold_timer.cancel()
+            self._hold_timer = None
+        if self._held:
+            await self._resume_engine()
+            self._held = False

@@ -1,7 +1,7 @@
 """SGLang's native HTTP API as the SGLang engine uses it: request/response bodies and one client.
 
 Field names, routes and answers follow SGLang 0.5.x (`sglang/srt/entrypoints/http_server.py`,
-`sglang/srt/managers/io_struct.py`; see docs/sglang_notes.md for the exact sources). SGLang's
+`sglang/srt/managers/io_struct.py`; see docs/sglang.md for the exact sources). SGLang's
 request structs ignore unknown fields, so a misspelt field would silently do nothing: the bodies
 we send are strict pydantic models (`extra="forbid"`), and the fake server in tests/ can reject
 unknown fields outright.

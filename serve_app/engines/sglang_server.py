@@ -23,7 +23,7 @@ from pathlib import Path
 
 import httpx
 
-from serve_app.local import free_port
+from serve_app.net import free_port
 
 _POLL_S = 0.5
 _TAIL_LINES = 20

@@ -22,10 +22,15 @@ class HfTokenizerMixin:
         return self._tokenizer(text).input_ids
 
     def detokenize(self, token_ids: list[int]) -> str:
-        return self._tokenizer.decode(token_ids, skip_special_tokens=True)
+        return self._decode(token_ids, skip_special_tokens=True)
 
     def token_strings(self, token_ids: list[int]) -> list[str]:
-        return [self._tokenizer.decode([t]) for t in token_ids]
+        return [self._decode([t]) for t in token_ids]
+
+    def _decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        text = self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        assert isinstance(text, str), "one sequence of ids decodes to one string"
+        return text
 
     def check_prompt(self, token_ids: list[int]) -> None:
         """ValueError (a 422 for the caller) naming ids the model cannot embed."""

@@ -1,8 +1,9 @@
-"""The embedded default engine: HF transformers + torch, batched generation on one model thread.
+"""`engine: transformers`, the embedded default: HF transformers + torch in the replica's process.
 
-Each forward pass (a batch's prefill, or one decode step of the batch) is one engine step: it
-runs inside the profiling session's `forward_step` range, which names the profiled step and the
-weight version, and it is only admitted while admission is open.
+Batched generation runs on the engine's control thread (`steps_on_control_thread`): each
+forward pass (a batch's prefill, or one decode step of the batch) is one engine step, run inside
+the profiling session's `forward_step` range, which names the profiled step and the weight
+version, and only while admission is open. Profiled in process (torch, npu or nsys).
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import asyncio
 import inspect
 import logging
 import threading
-import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -21,18 +21,13 @@ import torch
 from transformers import LlamaForCausalLM
 from transformers.cache_utils import DynamicCache
 
-from profiling.session import ProfileSession, SessionSpec, StopOutcome
+from profiling.backends.base import ProfilerBackend
+from profiling.session import SessionSpec, in_process_backend
+from serve_app.config import AppArgs
 from serve_app.engines.base import GenerateRequest, GenerateResult, RolloutEngine
-from serve_app.engines.model_thread import ModelThread
-from serve_app.engines.tokenizer import HfTokenizerMixin
-from serve_app.weights import WeightsError, read_state_dict
+from serve_app.weights import StateDict, WeightsError, read_state_dict
 
 log = logging.getLogger(__name__)
-
-# After a stop is acknowledged, how long the model thread waits for the event loop to take the
-# answer, and then for the answer to be sent, before the finalize blocks the process.
-_ACK_WAIT_S = 0.5
-_ACK_GRACE_S = 0.02
 
 
 @dataclass
@@ -51,46 +46,35 @@ class _Batch:
     seqs: list[_Sequence]
     cache: DynamicCache
     attention_mask: torch.Tensor
-    next_input: torch.Tensor | None = None
-    position_ids: torch.Tensor | None = None
+    next_input: torch.Tensor
+    position_ids: torch.Tensor
 
 
-class TransformersEngine(HfTokenizerMixin, RolloutEngine):
-    def __init__(
-        self,
-        *,
-        model_dir: Path,
-        model_name: str,
-        session: ProfileSession,
-        max_batch_size: int = 16,
-        hold_timeout_s: float = 60.0,
-    ):
-        self.model_name = model_name
-        self._session = session
-        self._max_batch = max_batch_size
-        self._hold_timeout_s = hold_timeout_s
+class TransformersEngine(RolloutEngine[StateDict]):
+    """The embedded engine: forward passes on the control thread, profiled in process."""
+
+    steps_on_control_thread = True
+
+    def _open(self, args: AppArgs, model_dir: Path) -> None:
         torch.set_num_threads(1)  # replicas share few cores; one intra-op thread each
-        self._load_tokenizer(model_dir)
+        self._max_batch = args.transformers.max_batch_size
         self._model = LlamaForCausalLM.from_pretrained(model_dir).eval()
         self._eos = self._tokenizer.eos_token_id
         self._pad = self._tokenizer.pad_token_id
         params = inspect.signature(self._model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
-        self.weight_version = 0
         self._forwards_by_version: dict[int, int] = {}
         self._pending: deque[_Sequence] = deque()
         self._pending_lock = threading.Lock()
         self._batch: _Batch | None = None
-        self._loader = ThreadPoolExecutor(1, thread_name_prefix="weights")
-        self._thread = ModelThread(self._engine_step, self._session.check_deadline)
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="weights")
 
     @property
     def vocab_size(self) -> int:
-        return self._model.config.vocab_size
+        return int(self._model.config.vocab_size)
 
     # -- generation --------------------------------------------------------------------------
-    async def generate(self, request: GenerateRequest) -> GenerateResult:
-        self.check_prompt(request.prompt_token_ids)
+    async def _generate(self, request: GenerateRequest) -> GenerateResult:
         gen = torch.Generator().manual_seed(request.seed) if request.seed is not None else None
         seq = _Sequence(request, Future(), gen)
         with self._pending_lock:
@@ -99,7 +83,7 @@ class TransformersEngine(HfTokenizerMixin, RolloutEngine):
         return await asyncio.wrap_future(seq.future)
 
     def _engine_step(self) -> bool:
-        """Model thread: one forward pass of the current batch, or the prefill of a new one."""
+        """Control thread: one forward pass of the current batch, or the prefill of a new one."""
         if self._batch is None:
             with self._pending_lock:
                 if not self._pending:
@@ -194,76 +178,28 @@ class TransformersEngine(HfTokenizerMixin, RolloutEngine):
         )
         batch.position_ids = batch.position_ids[:, -1:] + 1
 
-    # -- profiling ---------------------------------------------------------------------------
-    async def _on_model_thread(self, fn):
-        return await asyncio.wrap_future(self._thread.submit(fn))
+    # -- profiling and weights ------------------------------------------------------------------
+    def _profiler(self, spec: SessionSpec) -> ProfilerBackend:
+        return in_process_backend(spec)
 
-    async def start_profile(self, spec: SessionSpec) -> bool:
-        def start() -> bool:
-            try:
-                return self._session.start(spec, self.weight_version)
-            finally:
-                self._thread.resume()  # a start always ends an admission hold
+    async def _pause(self) -> None:
+        self._thread.admit(False)
 
-        return await self._on_model_thread(start)
+    async def _resume(self) -> None:
+        self._thread.admit(True)
 
-    async def stop_profile(self, step: int | None, pause: bool) -> StopOutcome:
-        loop = asyncio.get_running_loop()
-        acked: asyncio.Future[StopOutcome] = loop.create_future()
-        delivered = threading.Event()
+    async def _read_weights(self, path: Path) -> StateDict:
+        # On a thread of its own: the control thread may be finalizing the stop's recording.
+        return await asyncio.wrap_future(self._reader.submit(read_state_dict, path))
 
-        def resolve(outcome: StopOutcome) -> None:
-            if not acked.done():
-                acked.set_result(outcome)
-            delivered.set()
+    async def _load_weights(self, weights: StateDict, version: int) -> None:
+        def load() -> None:
+            self._check_state(weights)
+            self._session.mark_weight_update(version, lambda: self._model.load_state_dict(weights, strict=True))
 
-        def ack(outcome: StopOutcome) -> None:
-            # The profiler's finalize holds the GIL for its whole duration: let the answer leave
-            # this process first, then finalize (no forward pass can run in between).
-            loop.call_soon_threadsafe(resolve, outcome)
-            delivered.wait(_ACK_WAIT_S)
-            time.sleep(_ACK_GRACE_S)
+        await self._on_thread(load)
 
-        def stop() -> StopOutcome:
-            if pause:
-                self._thread.pause(self._hold_timeout_s)
-            if step is None:
-                outcome = StopOutcome(step=None, stopped=False)
-                loop.call_soon_threadsafe(resolve, outcome)
-                return outcome
-            return self._session.stop(step, on_closed=ack)
-
-        done = asyncio.wrap_future(self._thread.submit(stop))
-        await asyncio.wait([acked, done], return_when=asyncio.FIRST_COMPLETED)
-        if acked.done():
-            return acked.result()
-        return done.result()  # raised before acknowledging (e.g. a conflict)
-
-    async def update_weights(self, version: int, path: str | None, resume: bool) -> float:
-        t0 = time.perf_counter()
-        # Read the file off the model thread, overlapping any profiler finalize running there.
-        state = (
-            await asyncio.wrap_future(self._loader.submit(read_state_dict, Path(path)))
-            if path
-            else None
-        )
-
-        def apply() -> None:
-            if state is not None and version != self.weight_version:
-                self._check_state(state)
-                self._session.mark_weight_update(
-                    version, lambda: self._model.load_state_dict(state, strict=True)
-                )
-                self.weight_version = version
-            if resume:
-                self._thread.resume()
-            else:  # hold for the /profile/start that follows: nothing runs unprofiled on `version`
-                self._thread.pause(self._hold_timeout_s)
-
-        await self._on_model_thread(apply)
-        return time.perf_counter() - t0
-
-    def _check_state(self, state: dict[str, torch.Tensor]) -> None:
+    def _check_state(self, state: StateDict) -> None:
         own = self._model.state_dict()
         missing = sorted(set(own) - set(state))
         unexpected = sorted(set(state) - set(own))
@@ -274,16 +210,11 @@ class TransformersEngine(HfTokenizerMixin, RolloutEngine):
                 f"missing {missing[:3]}, unexpected {unexpected[:3]}, wrong shape {wrong[:3]}"
             )
 
-    @property
-    def paused(self) -> bool:
-        return self._thread.paused
-
-    def forward_steps_by_version(self) -> dict[int, int]:
+    def _forward_steps_by_version(self) -> dict[int, int]:
         return dict(self._forwards_by_version)
 
-    def healthy(self) -> bool:
-        return self._thread.alive()
+    def _healthy(self) -> bool:
+        return True
 
-    async def shutdown(self) -> None:
-        await asyncio.to_thread(self._thread.shutdown)
-        self._loader.shutdown(wait=False)
+    async def _close(self) -> None:
+        self._reader.shutdown(wait=False)

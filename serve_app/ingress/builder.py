@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from ray import serve
 
 from serve_app.api import ErrorResponse
-from serve_app.control import ControlError
+from serve_app.errors import ControlError
 
 EndpointMap = dict[str, Callable[[FastAPI], Callable]]
 

@@ -17,7 +17,7 @@ from serve_app.api import (
     ModelCard,
     ModelList,
 )
-from serve_app.control import ControlError
+from serve_app.errors import NotFound, Refused
 
 
 class OpenAIRoutesMixin:
@@ -40,7 +40,7 @@ class OpenAIRoutesMixin:
     async def completions(self, body: CompletionRequest) -> CompletionResponse:
         """OpenAI completions; each choice carries its token ids and weight version."""
         if body.model is not None and body.model != self.model_name:
-            raise ControlError(404, f"model {body.model!r} is not served; this app serves {self.model_name!r}")
+            raise NotFound(f"model {body.model!r} is not served; this app serves {self.model_name!r}")
         prompts = [body.prompt] if isinstance(body.prompt, str) or isinstance(body.prompt[0], int) else body.prompt
         try:
             choices = await asyncio.gather(
@@ -48,7 +48,7 @@ class OpenAIRoutesMixin:
             )
         except ValueError as e:
             # The replica's own message, not Ray's wrapper around it (a remote traceback).
-            raise ControlError(422, f"prompt: {getattr(e, 'cause', e)}") from e
+            raise Refused(f"prompt: {getattr(e, 'cause', e)}") from e
         prompt_tokens = sum(len(c.prompt_token_ids) for c in choices)
         completion_tokens = sum(len(c.token_ids) for c in choices)
         return CompletionResponse(

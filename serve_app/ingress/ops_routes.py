@@ -8,7 +8,8 @@ import logging
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import Response
 
-from serve_app.control import ControlPlane
+from serve_app.control.profile_control import ProfileControl
+from serve_app.control.step_records import StepRecords
 from serve_app.metrics import refresh_exports, refresh_fleet
 
 log = logging.getLogger(__name__)
@@ -19,7 +20,8 @@ timeout, so a slow or dead replica shows as `up 0` instead of failing the whole 
 
 
 class OpsRoutesMixin:
-    control: ControlPlane
+    profile_control: ProfileControl
+    records: StepRecords
 
     ENDPOINTS = {
         "health": lambda app: app.get("/health", tags=["ops"]),
@@ -33,11 +35,11 @@ class OpsRoutesMixin:
     async def metrics(self) -> Response:
         """Prometheus text exposition of the control plane, with the replicas' state as of now."""
         try:
-            await asyncio.to_thread(refresh_exports, self.control.store)  # reads manifests: off the loop
+            await asyncio.to_thread(refresh_exports, self.records.store)  # reads manifests: off the loop
         except OSError:  # save_path unreadable: the export series wait, the rest is still served
-            log.exception("metrics: could not read manifests under %s", self.control.store.root)
+            log.exception("metrics: could not read manifests under %s", self.records.store.root)
         try:
-            fleet = await self.control.status(timeout_s=SCRAPE_STATUS_TIMEOUT_S)
+            fleet = await self.profile_control.status(timeout_s=SCRAPE_STATUS_TIMEOUT_S)
         except Exception:  # noqa: BLE001 - the counters and histograms must still be served
             log.exception("metrics: could not read the replicas' status; serving without it")
             fleet = None

@@ -14,7 +14,8 @@ from serve_app.api import (
     StopProfileRequest,
     StopProfileResponse,
 )
-from serve_app.control import ControlPlane
+from serve_app.control.profile_control import ProfileControl
+from serve_app.control.step_records import StepRecords
 from serve_app.ingress.auth import require_control_token
 
 _guard = {"dependencies": [Depends(require_control_token)], "tags": ["profile"]}
@@ -29,7 +30,8 @@ _unreadable = {"model": ErrorResponse, "description": "save_path cannot be read,
 
 
 class ProfileRoutesMixin:
-    control: ControlPlane
+    profile_control: ProfileControl
+    records: StepRecords
 
     ENDPOINTS = {
         "start_profile": lambda app: app.post("/profile/start", responses=_errors, **_guard),
@@ -43,20 +45,20 @@ class ProfileRoutesMixin:
 
     async def start_profile(self, body: StartProfileRequest) -> StartProfileResponse:
         """Start profiling step k on every replica (idempotent for the active step)."""
-        return await self.control.start(body)
+        return await self.profile_control.start(body)
 
     async def stop_profile(self, body: StopProfileRequest) -> StopProfileResponse:
         """Stop profiling step k; answers once recording is closed, traces export after."""
-        return await self.control.stop(body)
+        return await self.profile_control.stop(body)
 
     async def profile_status(self) -> StatusResponse:
         """Active step, weight version, and each replica's state."""
-        return await self.control.status()
+        return await self.profile_control.status()
 
     async def profile_steps(self) -> StepsResponse:
         """Every recorded step under save_path with its manifest status."""
-        return self.control.steps()
+        return await self.records.steps()
 
     async def profile_step(self, k: int) -> StepManifest:
         """One step's manifest."""
-        return self.control.step(k)
+        return await self.records.step(k)

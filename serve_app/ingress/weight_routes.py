@@ -9,12 +9,13 @@ from pydantic import ValidationError
 
 from profiling.config import describe_validation_error
 from serve_app.api import ErrorResponse, InClusterWeightsRequest, UpdateWeightsRequest, UpdateWeightsResponse
-from serve_app.control import ControlError, ControlPlane
+from serve_app.control.weight_control import WeightControl
+from serve_app.errors import Refused
 from serve_app.ingress.auth import require_control_token
 
 
 class WeightRoutesMixin:
-    control: ControlPlane
+    weight_control: WeightControl
 
     ENDPOINTS = {
         "update_weights": lambda app: app.post(
@@ -27,7 +28,7 @@ class WeightRoutesMixin:
 
     async def update_weights(self, body: UpdateWeightsRequest) -> UpdateWeightsResponse:
         """Load `path` as `version` on every replica between engine steps."""
-        return await self.control.update_weights(body)
+        return await self.weight_control.update_weights(body)
 
     async def update_weights_in_cluster(
         self, version: int, refs: list[ray.ObjectRef], resume: bool = True
@@ -38,5 +39,5 @@ class WeightRoutesMixin:
         try:
             req = InClusterWeightsRequest(version=version, resume=resume)
         except ValidationError as e:
-            raise ControlError(422, describe_validation_error(e)) from None
-        return await self.control.update_weights_in_cluster(req, refs)
+            raise Refused(describe_validation_error(e)) from None
+        return await self.weight_control.update_weights_in_cluster(req, refs)

@@ -13,14 +13,14 @@ from profiling.analysis.merge import merge_step
 from profiling.analysis.summary import summarize_step
 from profiling.config import ProfileOptions
 from profiling.manifest import ManifestEntry, SessionRecord, SyncCost
-from profiling.session import ProfileSession, SessionSpec
+from profiling.session import ProfileSession
 from profiling.store import MERGED_TRACE, TraceStore
 
 from .synth import read_merged
 
 
 @pytest.fixture(scope="module")
-def recorded(tmp_path_factory) -> TraceStore:
+def recorded(tmp_path_factory, spec) -> TraceStore:
     """Step 1 recorded by two replicas and a trainer rank, one after the other (torch allows one
     profiler per process at a time), each with forward steps and a weight update."""
     store = TraceStore(tmp_path_factory.mktemp("torch") / "profile")
@@ -37,7 +37,7 @@ def recorded(tmp_path_factory) -> TraceStore:
     with ThreadPoolExecutor(1) as exporter:
         for identity in identities:
             s = ProfileSession(store=store, entry_identity=identity, exporter=exporter)
-            s.start(SessionSpec(step=1, steps=[1], options=options), weight_version=0)
+            s.start(spec(1, max_duration_s=None), weight_version=0)
             for _ in range(6):
                 with s.forward_step(0):
                     model(torch.randn(32, 64))

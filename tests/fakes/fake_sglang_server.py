@@ -4,7 +4,7 @@ Run it as SGLang is run: `python tests/fakes/fake_sglang_server.py --model-path 
 --port P` (other arguments are ignored, and logged). It serves the native routes the SGLang engine
 adapter uses, with SGLang 0.5.x's paths, methods, request fields, status codes, answer bodies and
 messages (sources: `sglang/srt/entrypoints/http_server.py`, `sglang/srt/managers/io_struct.py`,
-`tokenizer_manager.py`, `scheduler_components/profiler_manager.py`; docs/sglang_notes.md lists
+`tokenizer_manager.py`, `scheduler_components/profiler_manager.py`; docs/sglang.md lists
 them):
 
 * `GET /health`, `/health_generate`: 503 until the startup warmup request has finished, then 200;

@@ -29,7 +29,7 @@ from safetensors.torch import load_file  # noqa: E402
 
 from profiling.schedule import StepSchedule  # noqa: E402
 from serve_app.app import build_app  # noqa: E402
-from serve_app.local import free_port  # noqa: E402
+from serve_app.net import free_port  # noqa: E402
 from trainer.client import RolloutClient, RolloutError  # noqa: E402
 from trainer.in_cluster import InClusterWeights  # noqa: E402
 from trainer.profiled_sync import ProfiledWeightSync  # noqa: E402

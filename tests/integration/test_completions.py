@@ -1,4 +1,4 @@
-"""The generation and ops routes over HTTP (DESIGN §4): OpenAI-shaped /v1/models and
+"""The generation and ops routes over HTTP (docs/design.md#http-api): OpenAI-shaped /v1/models and
 /v1/completions with token ids, logprobs and weight versions; /health; /metrics."""
 
 from __future__ import annotations

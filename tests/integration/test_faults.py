@@ -1,4 +1,5 @@
-"""Faults around a profiled step, over real Ray Serve and HTTP (DESIGN §3, §4, §5):
+"""Faults around a profiled step, over real Ray Serve and HTTP (docs/design.md#fan-out,
+docs/design.md#status-codes, docs/design.md#manifest):
 
 * a replica killed after acknowledging the stop while its trace export is still running;
 * the ingress (the control replica) killed mid-step and restarted by Serve;
@@ -25,11 +26,11 @@ import httpx
 import pytest
 from conftest import ServeApp, deployed
 from integ_util import (
+    RESTART_TIMEOUT_S,
     check_entry_traces,
     client,
     complete,
     complete_concurrently,
-    RESTART_TIMEOUT_S,
     generate_until_all_recorded,
     kill_replica,
     ok,

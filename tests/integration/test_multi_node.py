@@ -1,7 +1,8 @@
-"""Multi-node (DESIGN §5's one save_path): a 2-node Ray cluster on one machine, one replica per
-node, each node recording into its own directory. After each stop every trace is under the one
-save_path the manifest names (shipped through Ray), none is left on a node, and weight versions
-reach both nodes through the object store from a trainer in the cluster, with no shared path.
+"""Multi-node (docs/design.md#trace-collection: one save_path): a 2-node Ray cluster on one machine,
+one replica per node, each node recording into its own directory. After each stop every trace is
+under the one save_path the manifest names (shipped through Ray), none is left on a node, and weight
+versions reach both nodes through the object store from a trainer in the cluster, with no shared
+path.
 
 The scenario runs in its own process (multi_node_scenario.py): it needs its own Ray cluster.
 """

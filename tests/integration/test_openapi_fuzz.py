@@ -1,6 +1,6 @@
 """Fuzz every route of the running app from its own OpenAPI schema (GET /openapi.json) with
 schemathesis: valid and invalid path parameters, headers and bodies, none may answer >= 500
-(DESIGN §4: malformed input is a 422 naming the field, never a bare 500).
+(docs/design.md#status-codes: malformed input is a 422 naming the field, never a bare 500).
 
 The app has a control token, so the control routes are fuzzed past the auth guard (most
 requests carry the token, the others the schema's generated Authorization header). Between

@@ -1,4 +1,5 @@
-"""A full profile cycle over HTTP against the real 2-replica Serve app (DESIGN §2, §4, §5):
+"""A full profile cycle over HTTP against the real 2-replica Serve app
+(docs/design.md#step-semantics, docs/design.md#http-api, docs/design.md#traces-on-disk):
 start -> generate -> stop -> manifest + traces on disk, and stop -> update -> start across a
 weight update with exact version attribution in the traces."""
 
@@ -11,8 +12,8 @@ from pathlib import Path
 
 import pytest
 from integ_util import (
-    check_entry_traces,
     MARKER,
+    check_entry_traces,
     client,
     complete,
     complete_concurrently,

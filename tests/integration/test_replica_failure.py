@@ -1,6 +1,7 @@
-"""A replica that dies mid-step (DESIGN §3, §4): the stop answers in bounded time and names the
-dead replica, the step's manifest is `partial`, the restarted replica serves the next step, and a
-replica that restarts while a step is active joins it late (`late_start` in the manifest).
+"""A replica that dies mid-step (docs/design.md#fan-out, docs/design.md#status-codes): the stop
+answers in bounded time and names the dead replica, the step's manifest is `partial`, the
+restarted replica serves the next step, and a replica that restarts while a step is active joins
+it late (`late_start` in the manifest).
 
 Only processes this test started through Serve are killed: the pids come from the replicas' own
 reports in the /profile/start answer of the app deployed here.

@@ -1,6 +1,6 @@
-"""DESIGN §4's status-code rules over real HTTP: idempotent start, 409 conflicts, 422 that names
-the field, 404s, and 401 on the control routes of a token-protected app. (That no request turns
-into a 5xx is fuzzed from the app's OpenAPI schema in test_openapi_fuzz.py.)"""
+"""The status-code rules of docs/design.md#status-codes over real HTTP: idempotent start, 409
+conflicts, 422 that names the field, 404s, and 401 on the control routes of a token-protected app.
+(That no request turns into a 5xx is fuzzed from the app's OpenAPI schema in test_openapi_fuzz.py.)"""
 
 from __future__ import annotations
 
@@ -191,8 +191,8 @@ def test_weights_update_rejects_malformed_input(app, http, base_weights):
         assert_422_naming(r, "path")
         assert mention in r.json()["detail"], r.json()
     # A readable safetensors file that does not fit the model: every replica refuses it.
-    from safetensors.torch import save_file
     import torch
+    from safetensors.torch import save_file
 
     save_file({"not.a.weight": torch.zeros(2)}, str(app.weights_dir / "wrong.safetensors"))
     r = http.post("/weights/update", json={"version": version + 1, "path": "wrong.safetensors"})
@@ -283,6 +283,15 @@ def test_huge_step_is_not_a_server_error(http):
         st_ = status(http)
         if st_["active_step"] is not None:
             http.post("/profile/stop", json={"step": st_["active_step"]})
+
+
+def test_a_window_spanning_a_billion_steps_is_a_quick_422(http):
+    """Found by the OpenAPI fuzz test: checking that steps [1, 10**9] are consecutive once built
+    a list of 10**9 numbers, freezing the ingress until its health check killed it."""
+    r = http.post("/profile/start", json={"step": 10**9, "steps": [1, 10**9]}, timeout=10)
+    assert r.status_code == 422, r.text
+    assert "must be consecutive" in r.json()["detail"]
+    assert status(http)["state"] == "idle"
 
 
 def test_huge_step_lookup_is_404(http):

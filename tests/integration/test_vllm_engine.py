@@ -13,7 +13,16 @@ from pathlib import Path
 
 import pytest
 from conftest import deployed
-from integ_util import client, complete, complete_concurrently, ok, status, stop_if_active, wait_manifest, write_perturbed_weights
+from integ_util import (
+    client,
+    complete,
+    complete_concurrently,
+    ok,
+    status,
+    stop_if_active,
+    wait_manifest,
+    write_perturbed_weights,
+)
 
 pytestmark = pytest.mark.integration
 

@@ -16,9 +16,8 @@ from .helpers import RAY_STARTUP_TIMEOUT, REPO_ROOT
 
 @contextmanager
 def _deployer(ray_cluster: int, model_dir: Path, base: Path) -> Iterator[Callable[..., object]]:
-    from ray import serve
-
     from conftest import deploy
+    from ray import serve
 
     apps = []
 

@@ -1,8 +1,8 @@
-"""Exact attribution (DESIGN.md §2) through the real main loop: trainer.loop.run_training against
-a real 2-replica Ray Serve app with uncapped windows. For every profiled step k and replica, the
-step-k trace holds only forward passes on weights k-1, and holds all of them: the count of its
-forward_step markers equals the number of forward passes the replica ran on weights k-1
-(`forward_steps_by_version` of /profile/status).
+"""Exact attribution (docs/design.md#exact-attribution) through the real main loop:
+trainer.loop.run_training against a real 2-replica Ray Serve app with uncapped windows. For every
+profiled step k and replica, the step-k trace holds only forward passes on weights k-1, and holds
+all of them: the count of its forward_step markers equals the number of forward passes the replica
+ran on weights k-1 (`forward_steps_by_version` of /profile/status).
 
 With steps [2, 3], step 3 is entered by stop(2, pause) -> update(2, resume=False) -> start(3);
 step 2 is entered by update(1, resume=False) -> start(2) with no stop before it (step 1 is not

@@ -1,6 +1,7 @@
-"""profile_continuous_steps (DESIGN.md §2) through the real main loop: steps [1, 2] merge into one
-window labelled 1 (step_1/ only), spanning the weight update to version 1, which is marked in the
-rollout and the trainer traces; no forward pass on weights 0 or 1 runs unprofiled."""
+"""profile_continuous_steps (docs/design.md#continuous-windows) through the real main loop: steps
+[1, 2] merge into one window labelled 1 (step_1/ only), spanning the weight update to version 1,
+which is marked in the rollout and the trainer traces; no forward pass on weights 0 or 1 runs
+unprofiled."""
 
 from __future__ import annotations
 

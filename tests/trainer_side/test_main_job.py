@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from analysis.browser import assert_report_rendered, screenshot
 
 from .helpers import MARKER, RAY_STARTUP_TIMEOUT, REPO_ROOT, by_role, entry_markers, read_manifest, read_trace

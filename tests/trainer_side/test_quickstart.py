@@ -100,7 +100,7 @@ def test_http_walkthrough(quickstart_lock, tmp_path):
         assert sum(e["forward_steps"] for e in m["entries"]) == generated, m["entries"]  # one per token
 
         # The route reference in docs/http_api.md is what this running app serves.
-        from serve_app.openapi_doc import build_openapi, render_reference
+        from tools.openapi_doc import build_openapi, render_reference
 
         with urllib.request.urlopen(f"{APP_URL}/openapi.json", timeout=30) as answer:
             live = json.load(answer)

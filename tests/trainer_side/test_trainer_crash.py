@@ -1,6 +1,6 @@
-"""A trainer that dies while step 3 is profiled (DESIGN.md §2: stop whatever is active on any
-exception): run_training re-raises, the `finally` path stops rollout profiling without leaving
-admission held, and step 3's traces and manifest are still complete."""
+"""A trainer that dies while step 3 is profiled (docs/design.md#sync-order: stop whatever is active
+on any exception): run_training re-raises, the `finally` path stops rollout profiling without
+leaving admission held, and step 3's traces and manifest are still complete."""
 
 from __future__ import annotations
 

@@ -1,19 +1,10 @@
-"""Fixtures shared by the unit tests of profiling/."""
+"""Fixtures shared by the unit tests of profiling/ (`store` and `spec` are in tests/conftest.py)."""
 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
-
-from profiling.store import TraceStore
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> TraceStore:
-    """A trace store under the test's temporary directory."""
-    return TraceStore(tmp_path / "profile")
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from profiling.config import GlobalProfilerConfig, check_safe_name, ProfileOptions, describe_validation_error
+from profiling.config import GlobalProfilerConfig, ProfileOptions, check_safe_name, describe_validation_error
 
 
 def error_of(fn) -> ValidationError:

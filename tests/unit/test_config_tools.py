@@ -30,7 +30,7 @@ def test_other_tools_rejected(tool):
 def test_npu_defaults():
     npu = ProfileOptions().npu
     assert npu == NpuOptions()
-    assert npu.contents == [] and npu.level == "level0" and npu.analysis is True and npu.discrete is False
+    assert npu.contents == [] and npu.level == "level0" and npu.analysis is True
     assert npu.aic_metrics is None and npu.export_type == "text" and npu.data_simplification is True
 
 
@@ -42,15 +42,21 @@ def test_npu_verl_keys_accepted():
                 "contents": ["npu", "cpu", "memory", "shapes", "module", "stack", "npu"],
                 "level": "level2",
                 "analysis": False,
-                "discrete": True,
                 "aic_metrics": "MemoryAccess",
                 "export_type": "db",
             },
         }
     )
     assert o.npu.contents == ["npu", "cpu", "memory", "shapes", "module", "stack"]  # deduplicated
-    assert (o.npu.level, o.npu.analysis, o.npu.discrete) == ("level2", False, True)
+    assert (o.npu.level, o.npu.analysis) == ("level2", False)
     assert (o.npu.aic_metrics, o.npu.export_type) == ("MemoryAccess", "db")
+
+
+def test_verl_discrete_key_is_refused_with_the_reason():
+    """verl's `discrete` would do nothing here: a key that does nothing is an error, not ignored."""
+    err = error_of(lambda: ProfileOptions.model_validate({"tool": "npu", "npu": {"discrete": True}}))
+    msg = describe_validation_error(err, "profiler")
+    assert msg.startswith("'profiler.npu': discrete") and "remove the key" in msg, msg
 
 
 @pytest.mark.parametrize("key", ["levle", "profile_token_start", "roles", "with_stack"])

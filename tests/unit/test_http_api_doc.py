@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from serve_app import openapi_doc
+from tools import openapi_doc
 
 
 def test_route_reference_is_up_to_date():
@@ -41,8 +41,8 @@ def test_reference_covers_every_route_of_the_ingress():
 def test_schema_is_built_without_starting_ray_and_the_module_imports_no_ray():
     code = (
         "import sys\n"
-        "from serve_app import openapi_doc\n"
-        "assert 'ray' not in sys.modules, 'importing serve_app.openapi_doc imported ray'\n"
+        "from tools import openapi_doc\n"
+        "assert 'ray' not in sys.modules, 'importing tools.openapi_doc imported ray'\n"
         "openapi_doc.build_openapi()\n"
         "import ray\n"
         "assert not ray.is_initialized(), 'building the schema started Ray'\n"
@@ -55,7 +55,7 @@ def test_check_mode_names_the_command_that_regenerates(tmp_path):
     stale = tmp_path / "http_api.md"
     stale.write_text(f"# HTTP API\n\n{openapi_doc.BEGIN}\nold\n{openapi_doc.END}\n")
     proc = subprocess.run(
-        [sys.executable, "-m", "serve_app.openapi_doc", "--check", "--doc", str(stale)],
+        [sys.executable, "-m", "tools.openapi_doc", "--check", "--doc", str(stale)],
         capture_output=True,
         text=True,
         timeout=120,

@@ -1,9 +1,9 @@
 """The npu backend against FakeTorchNpu, a fake of torch_npu's profiler surface, on CPU.
 
 FakeTorchNpu is NOT torch_npu: it copies the signatures and output layout that
-/work/shared/reference/engine_apis.md §3.2 gives for torch-npu 2.14 (`profile`,
-`_ExperimentalConfig`, `tensorboard_trace_handler`, the enums, `npu.mstx`), records every call with
-its arguments, and writes a plausible `<host>_<pid>_<ts>_ascend_pt/` directory. Nothing here was
+docs/npu.md#torch-npu-api gives for torch-npu 2.14 (`profile`, `_ExperimentalConfig`,
+`tensorboard_trace_handler`, the enums, `npu.mstx`), records every call with its arguments, and
+writes a plausible `<host>_<pid>_<ts>_ascend_pt/` directory. Nothing here was
 run against real torch_npu or an Ascend device.
 """
 
@@ -26,7 +26,7 @@ from profiling.backends import create_backend
 from profiling.backends.npu_profiler import MISSING_TORCH_NPU, NpuProfilerBackend
 from profiling.config import ProfileOptions
 from profiling.manifest import ManifestEntry
-from profiling.session import ProfileSession, SessionSpec
+from profiling.session import ProfileSession
 
 RID = "replica-0"
 WAIT = 20.0
@@ -76,7 +76,7 @@ class FakeTorchNpu(types.ModuleType):
         fake = self
 
         class _ExperimentalConfig:
-            # argument names and defaults as engine_apis.md §3.2 lists them
+            # argument names and defaults as docs/npu.md#torch-npu-api lists them
             def __init__(
                 self,
                 profiler_level=FakeProfilerLevel.Level0,
@@ -356,16 +356,6 @@ def test_export_type_and_data_simplification(fake, staging_root, export_type, ex
     assert exp["export_type"] == expected and exp["data_simplification"] is False
 
 
-def test_discrete_is_accepted_and_changes_nothing(fake, staging_root):
-    plain = started(fake, npu_options())
-    fake.calls.clear()
-    discrete = started(fake, npu_options(discrete=True))
-    for a, b in zip(plain, discrete, strict=True):
-        a = {k: v for k, v in a.items() if k not in ("on_trace_ready", "experimental_config", "dir_name")}
-        b = {k: v for k, v in b.items() if k not in ("on_trace_ready", "experimental_config", "dir_name")}
-        assert a == b
-
-
 def test_cuda_activity_is_rejected_for_npu(fake):
     with pytest.raises(RuntimeError, match=r"profiler\.npu\.contents"):
         create_backend(ProfileOptions(tool="npu", activities=["cpu", "cuda"]))
@@ -411,9 +401,9 @@ def test_long_marker_is_cut_to_the_mstx_limit(fake, staging_root):
 # -- a full session cycle ----------------------------------------------------------------------
 
 
-def test_session_cycle_exports_under_the_replica_dir(fake, staging_root, store, exporter):
+def test_session_cycle_exports_under_the_replica_dir(fake, staging_root, store, exporter, spec):
     s = session(store, exporter)
-    assert s.start(SessionSpec(step=3, steps=[3], options=npu_options()), weight_version=2)
+    assert s.start(spec(3, tool="npu", max_duration_s=None), weight_version=2)
     [early] = store.read_entries(3)
     assert early.exporting is True and early.files == []  # torch_npu names its files itself
     for _ in range(3):
@@ -448,9 +438,9 @@ def test_session_cycle_exports_under_the_replica_dir(fake, staging_root, store, 
     assert [p.name for p in replica_dir.iterdir() if p.name.startswith(".")] == []  # no partial dirs
 
 
-def test_session_cycle_db_export_without_analysis(fake, staging_root, store, exporter):
+def test_session_cycle_db_export_without_analysis(fake, staging_root, store, exporter, spec):
     s = session(store, exporter)
-    s.start(SessionSpec(step=1, steps=[1], options=npu_options(analysis=False, export_type="db")), weight_version=0)
+    s.start(spec(1, tool="npu", max_duration_s=None, npu={"analysis": False, "export_type": "db"}), weight_version=0)
     with s.forward_step(weight_version=0):
         pass
     s.stop(1)
@@ -460,21 +450,21 @@ def test_session_cycle_db_export_without_analysis(fake, staging_root, store, exp
     assert any(f.endswith("FRAMEWORK/torch.op_range") for f in final.files)
 
 
-def test_session_cycle_db_export_with_analysis(fake, staging_root, store, exporter):
+def test_session_cycle_db_export_with_analysis(fake, staging_root, store, exporter, spec):
     s = session(store, exporter)
-    s.start(SessionSpec(step=1, steps=[1], options=npu_options(export_type="db")), weight_version=0)
+    s.start(spec(1, tool="npu", max_duration_s=None, npu={"export_type": "db"}), weight_version=0)
     s.stop(1)
     final = s.wait_exported(1, timeout=WAIT)
     assert final.status == "ok"
     assert any(f.endswith("ASCEND_PROFILER_OUTPUT/ascend_pytorch_profiler_0.db") for f in final.files)
 
 
-def test_no_output_from_torch_npu_is_an_error_entry(monkeypatch, staging_root, store, exporter):
+def test_no_output_from_torch_npu_is_an_error_entry(monkeypatch, staging_root, store, exporter, spec):
     fake = FakeTorchNpu(write_output=False)
     monkeypatch.setitem(sys.modules, "torch_npu", fake)
     monkeypatch.setitem(sys.modules, "torch_npu.profiler", fake.profiler)
     s = session(store, exporter)
-    s.start(SessionSpec(step=2, steps=[2], options=npu_options()), weight_version=1)
+    s.start(spec(2, tool="npu", max_duration_s=None), weight_version=1)
     s.stop(2)
     final = s.wait_exported(2, timeout=WAIT)
     assert final.status == "error" and "torch_npu wrote no profiling data" in final.error
@@ -493,11 +483,11 @@ def test_clear_error_without_torch_npu(monkeypatch):
     assert MISSING_TORCH_NPU == "tool 'npu' needs torch_npu (Ascend); install torch_npu or use tool: torch"
 
 
-def test_session_start_without_torch_npu_stays_idle(monkeypatch, store, exporter):
+def test_session_start_without_torch_npu_stays_idle(monkeypatch, store, exporter, spec):
     monkeypatch.setitem(sys.modules, "torch_npu", None)
     s = session(store, exporter)
     with pytest.raises(RuntimeError, match="tool 'npu' needs torch_npu"):
-        s.start(SessionSpec(step=1, steps=[1], options=npu_options()), weight_version=0)
+        s.start(spec(1, tool="npu", max_duration_s=None), weight_version=0)
     assert s.state == "idle" and s.active_step is None
     assert not store.step_dir(1).exists()  # no entry left claiming a recording
 

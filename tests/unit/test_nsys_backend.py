@@ -18,7 +18,7 @@ from profiling.backends import create_backend
 from profiling.backends.nsys_profiler import NEEDS_CUDA, NOTE_FILE, NsysProfilerBackend
 from profiling.config import ProfileOptions
 from profiling.manifest import ManifestEntry
-from profiling.session import ProfileSession, SessionSpec
+from profiling.session import ProfileSession
 
 RID = "replica-0"
 WAIT = 20.0
@@ -55,10 +55,6 @@ class FakeCuda:
 @pytest.fixture
 def cuda(monkeypatch) -> FakeCuda:
     return FakeCuda().install(monkeypatch)
-
-
-def nsys_spec(step: int, steps: list[int] | None = None) -> SessionSpec:
-    return SessionSpec(step=step, steps=steps or [step], options=ProfileOptions(tool="nsys", max_duration_s=None))
 
 
 def session(store, exporter) -> ProfileSession:
@@ -98,10 +94,10 @@ def test_range_popped_when_the_step_raises(cuda):
     backend.stop()
 
 
-def test_session_cycle_writes_the_capture_note(cuda, store, exporter):
+def test_session_cycle_writes_the_capture_note(cuda, store, exporter, spec):
     s = session(store, exporter)
     t0 = time.time()
-    assert s.start(nsys_spec(2, [2, 3]), weight_version=1)
+    assert s.start(spec(2, steps=[2, 3], tool="nsys", max_duration_s=None), weight_version=1)
     [early] = store.read_entries(2)
     assert early.files == []  # nsys writes the report, not us
     for _ in range(2):
@@ -148,7 +144,7 @@ def test_session_cycle_writes_the_capture_note(cuda, store, exporter):
     assert m is not None and m.status == "complete" and m.entries == [final]
 
 
-def test_clear_error_without_cuda(monkeypatch, store, exporter):
+def test_clear_error_without_cuda(monkeypatch, store, exporter, spec):
     cuda = FakeCuda(available=False).install(monkeypatch)
     backend = create_backend(ProfileOptions(tool="nsys"))
     with pytest.raises(RuntimeError) as ei:
@@ -161,6 +157,6 @@ def test_clear_error_without_cuda(monkeypatch, store, exporter):
 
     s = session(store, exporter)
     with pytest.raises(RuntimeError, match="tool 'nsys' needs a CUDA device"):
-        s.start(nsys_spec(1), weight_version=0)
+        s.start(spec(1, tool="nsys", max_duration_s=None), weight_version=0)
     assert s.state == "idle" and s.active_step is None
     assert cuda.calls == []

@@ -1,4 +1,4 @@
-"""StepSchedule: the step semantics of DESIGN.md §2 (windows, begin, per-sync plans)."""
+"""StepSchedule: the step semantics of docs/design.md#step-semantics (windows, begin, per-sync plans)."""
 
 from __future__ import annotations
 

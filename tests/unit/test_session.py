@@ -38,11 +38,6 @@ def make_session(store, exporter, **kw) -> ProfileSession:
     )
 
 
-def spec(step: int = 2, **opts) -> SessionSpec:
-    opts.setdefault("max_duration_s", None)
-    return SessionSpec(step=step, steps=[step], options=ProfileOptions(**opts))
-
-
 def run_steps(session: ProfileSession, model, n: int, weight_version: int) -> None:
     x = torch.randn(4, 8)
     for _ in range(n):
@@ -65,14 +60,14 @@ def names(path: Path, prefix: str) -> list[str]:
 # -- control rules ---------------------------------------------------------------------------
 
 
-def test_start_idempotent_and_conflicts(store, exporter, model):
+def test_start_idempotent_and_conflicts(store, exporter, model, spec):
     s = make_session(store, exporter)
     assert s.state == "idle" and s.active_step is None
-    assert s.start(spec(2), weight_version=1) is True
+    assert s.start(spec(2, max_duration_s=None), weight_version=1) is True
     assert s.state == "profiling" and s.active_step == 2
-    assert s.start(spec(2), weight_version=1) is False  # same step: no restart
+    assert s.start(spec(2, max_duration_s=None), weight_version=1) is False  # same step: no restart
     with pytest.raises(SessionConflict):
-        s.start(spec(3), weight_version=1)
+        s.start(spec(3, max_duration_s=None), weight_version=1)
     assert s.active_step == 2 and s.state == "profiling"
     with pytest.raises(SessionConflict):
         s.stop(3)
@@ -99,9 +94,9 @@ def test_forward_step_outside_recording_is_not_counted(store, exporter, model):
     assert s.forward_steps == 0
 
 
-def test_start_writes_exporting_entry_early(store, exporter, model):
+def test_start_writes_exporting_entry_early(store, exporter, model, spec):
     s = make_session(store, exporter)
-    s.start(spec(2), weight_version=1)
+    s.start(spec(2, max_duration_s=None), weight_version=1)
     [entry] = store.read_entries(2)
     assert entry.exporting is True
     assert entry.replica_id == RID and entry.weight_version == 1
@@ -114,11 +109,11 @@ def test_start_writes_exporting_entry_early(store, exporter, model):
 # -- full cycle ------------------------------------------------------------------------------
 
 
-def test_full_cycle_trace_has_exactly_the_forward_steps(store, exporter, model):
+def test_full_cycle_trace_has_exactly_the_forward_steps(store, exporter, model, spec):
     s = make_session(store, exporter)
     run_steps(s, model, 2, weight_version=0)  # before start: not recorded
     t_start = time.time()
-    assert s.start(spec(3, max_forward_steps=100), weight_version=2)
+    assert s.start(spec(3, max_forward_steps=100, max_duration_s=None), weight_version=2)
     n = 5
     run_steps(s, model, n, weight_version=2)
     assert s.forward_steps == n
@@ -151,7 +146,7 @@ def test_full_cycle_trace_has_exactly_the_forward_steps(store, exporter, model):
     assert [p.name for p in path.parent.iterdir() if p.name.startswith(".")] == []
 
 
-def test_on_closed_runs_before_finalize(store, exporter, model):
+def test_on_closed_runs_before_finalize(store, exporter, model, spec):
     calls: list[str] = []
     real_stop = TorchProfilerBackend._stop
 
@@ -160,8 +155,8 @@ def test_on_closed_runs_before_finalize(store, exporter, model):
             calls.append("finalize")
             return real_stop(self)
 
-    s = make_session(store, exporter, backend_factory=Spy)
-    s.start(spec(2), weight_version=1)
+    s = make_session(store, exporter, backend_factory=lambda spec: Spy(spec.options))
+    s.start(spec(2, max_duration_s=None), weight_version=1)
     run_steps(s, model, 2, weight_version=1)
     trace_path = store.rollout_dir(2, RID) / TRACE_FILE
     seen: dict = {}
@@ -189,18 +184,18 @@ def test_on_closed_runs_before_finalize(store, exporter, model):
 # -- caps ------------------------------------------------------------------------------------
 
 
-def test_max_forward_steps_caps(store, exporter, model):
+def test_max_forward_steps_caps(store, exporter, model, spec):
     s = make_session(store, exporter)
-    s.start(spec(4, max_forward_steps=3), weight_version=3)
+    s.start(spec(4, max_forward_steps=3, max_duration_s=None), weight_version=3)
     run_steps(s, model, 2, weight_version=3)
     assert s.state == "profiling"
     run_steps(s, model, 1, weight_version=3)
     assert s.state == "capped" and s.active_step == 4
     run_steps(s, model, 4, weight_version=3)  # beyond the cap: not counted, not recorded
     assert s.forward_steps == 3
-    assert s.start(spec(4), weight_version=3) is False  # still the active step
+    assert s.start(spec(4, max_duration_s=None), weight_version=3) is False  # still the active step
     with pytest.raises(SessionConflict):
-        s.start(spec(5), weight_version=3)
+        s.start(spec(5, max_duration_s=None), weight_version=3)
 
     out = s.stop(4)
     assert out.stopped is True and out.auto_stopped == "max_forward_steps" and out.forward_steps == 3
@@ -212,9 +207,9 @@ def test_max_forward_steps_caps(store, exporter, model):
     assert s.state == "idle"
 
 
-def test_capped_export_starts_before_stop(store, exporter, model):
+def test_capped_export_starts_before_stop(store, exporter, model, spec):
     s = make_session(store, exporter)
-    s.start(spec(4, max_forward_steps=1), weight_version=3)
+    s.start(spec(4, max_forward_steps=1, max_duration_s=None), weight_version=3)
     run_steps(s, model, 1, weight_version=3)
     assert s.state == "capped"
     # the recording ended at the cap: its export is already under way, before stop(4)
@@ -225,7 +220,7 @@ def test_capped_export_starts_before_stop(store, exporter, model):
     assert s.state == "idle"
 
 
-def test_max_duration_caps_via_check_deadline(store, exporter, model):
+def test_max_duration_caps_via_check_deadline(store, exporter, model, spec):
     s = make_session(store, exporter)
     s.start(spec(2, max_duration_s=0.05, max_forward_steps=None), weight_version=1)
     run_steps(s, model, 2, weight_version=1)
@@ -243,7 +238,7 @@ def test_max_duration_caps_via_check_deadline(store, exporter, model):
     assert len(names(store.step_dir(2) / final.files[0], "forward_step#")) == 2
 
 
-def test_max_duration_caps_after_a_forward_step(store, exporter, model):
+def test_max_duration_caps_after_a_forward_step(store, exporter, model, spec):
     s = make_session(store, exporter)
     s.start(spec(2, max_duration_s=0.05, max_forward_steps=None), weight_version=1)
     time.sleep(0.1)
@@ -256,9 +251,9 @@ def test_max_duration_caps_after_a_forward_step(store, exporter, model):
 # -- weight updates inside a window ----------------------------------------------------------
 
 
-def test_mark_weight_update_inside_recording(store, exporter, model):
+def test_mark_weight_update_inside_recording(store, exporter, model, spec):
     s = make_session(store, exporter)
-    s.start(SessionSpec(step=1, steps=[1, 2], options=ProfileOptions(max_duration_s=None)), weight_version=0)
+    s.start(spec(1, steps=[1, 2], max_duration_s=None), weight_version=0)
     run_steps(s, model, 2, weight_version=0)
     applied: list[int] = []
     s.mark_weight_update(1, lambda: applied.append(1))
@@ -304,16 +299,16 @@ def gated_factory(gate: threading.Event, fail: bool = False):
         def _stop(self) -> RecordedTrace:
             return GatedTrace(super()._stop(), gate, fail)
 
-    def factory(options: ProfileOptions) -> ProfilerBackend:
-        return Gated(options)
+    def factory(spec: SessionSpec) -> ProfilerBackend:
+        return Gated(spec.options)
 
     return factory
 
 
-def test_state_exporting_while_export_pending(store, exporter, model):
+def test_state_exporting_while_export_pending(store, exporter, model, spec):
     gate = threading.Event()
     s = make_session(store, exporter, backend_factory=gated_factory(gate))
-    s.start(spec(2), weight_version=1)
+    s.start(spec(2, max_duration_s=None), weight_version=1)
     run_steps(s, model, 3, weight_version=1)
     out = s.stop(2)
     try:
@@ -322,7 +317,7 @@ def test_state_exporting_while_export_pending(store, exporter, model):
         assert s.state == "exporting" and s.exports_pending == 1
         assert store.refresh_manifest(2).status == "exporting"
         # a new window may start while the old one exports
-        assert s.start(spec(3), weight_version=2) is True
+        assert s.start(spec(3, max_duration_s=None), weight_version=2) is True
         assert s.state == "profiling"
         s.stop(3)
     finally:
@@ -333,11 +328,11 @@ def test_state_exporting_while_export_pending(store, exporter, model):
     assert store.read_manifest(2).status == "complete"
 
 
-def test_export_failure_recorded_as_error(store, exporter, model):
+def test_export_failure_recorded_as_error(store, exporter, model, spec):
     gate = threading.Event()
     gate.set()
     s = make_session(store, exporter, backend_factory=gated_factory(gate, fail=True))
-    s.start(spec(2), weight_version=1)
+    s.start(spec(2, max_duration_s=None), weight_version=1)
     run_steps(s, model, 2, weight_version=1)
     assert s.stop(2).stopped
     final = s.wait_exported(2, timeout=WAIT)
@@ -354,9 +349,9 @@ def test_export_failure_recorded_as_error(store, exporter, model):
 # -- late start ------------------------------------------------------------------------------
 
 
-def test_late_start_recorded_in_entry(store, exporter, model):
+def test_late_start_recorded_in_entry(store, exporter, model, spec):
     s = make_session(store, exporter)
-    late = SessionSpec(step=5, steps=[5], options=ProfileOptions(), late_start=True)
+    late = spec(5, late_start=True)
     assert s.start(late, weight_version=4)
     [early] = store.read_entries(5)
     assert early.late_start is True
@@ -367,16 +362,16 @@ def test_late_start_recorded_in_entry(store, exporter, model):
     assert store.read_manifest(5).entries[0].late_start is True
 
 
-def test_not_late_by_default(store, exporter):
+def test_not_late_by_default(store, exporter, spec):
     s = make_session(store, exporter)
-    s.start(spec(1), weight_version=0)
+    s.start(spec(1, max_duration_s=None), weight_version=0)
     s.stop(1)
     assert s.wait_exported(1, timeout=WAIT).late_start is False
 
 
-def test_trainer_identity_writes_under_rank_dir(store, exporter, model):
+def test_trainer_identity_writes_under_rank_dir(store, exporter, model, spec):
     s = ProfileSession(store=store, entry_identity=ManifestEntry(role="trainer", rank=1), exporter=exporter)
-    s.start(spec(2), weight_version=1)
+    s.start(spec(2, max_duration_s=None), weight_version=1)
     run_steps(s, model, 1, weight_version=1)
     s.stop(2)
     final = s.wait_exported(2, timeout=WAIT)
@@ -392,33 +387,33 @@ class FailingStart(TorchProfilerBackend):
         raise RuntimeError("profiler refused to start")
 
 
-def test_failed_start_leaves_session_idle_and_restartable(store, exporter, model):
-    s = make_session(store, exporter, backend_factory=FailingStart)
+def test_failed_start_leaves_session_idle_and_restartable(store, exporter, model, spec):
+    s = make_session(store, exporter, backend_factory=lambda spec: FailingStart(spec.options))
     with pytest.raises(RuntimeError, match="refused"):
-        s.start(spec(2), weight_version=1)
+        s.start(spec(2, max_duration_s=None), weight_version=1)
     assert s.state == "idle" and s.active_step is None
     assert s.stop(2).stopped is False
     ok = make_session(store, exporter)
-    assert ok.start(spec(2), weight_version=1) is True
+    assert ok.start(spec(2, max_duration_s=None), weight_version=1) is True
     run_steps(ok, model, 1, weight_version=1)
     ok.stop(2)
     assert ok.wait_exported(2, timeout=WAIT).status == "ok"
     assert store.read_manifest(2).status == "complete"
 
 
-def test_failed_start_does_not_leave_a_forever_exporting_entry(store, exporter):
-    s = make_session(store, exporter, backend_factory=FailingStart)
+def test_failed_start_does_not_leave_a_forever_exporting_entry(store, exporter, spec):
+    s = make_session(store, exporter, backend_factory=lambda spec: FailingStart(spec.options))
     with pytest.raises(RuntimeError):
-        s.start(spec(2), weight_version=1)
+        s.start(spec(2, max_duration_s=None), weight_version=1)
     assert s.exports_pending == 0
     assert store.refresh_manifest(2).status != "exporting"
 
 
-def test_failed_export_lists_no_missing_files(store, exporter, model):
+def test_failed_export_lists_no_missing_files(store, exporter, model, spec):
     gate = threading.Event()
     gate.set()
     s = make_session(store, exporter, backend_factory=gated_factory(gate, fail=True))
-    s.start(spec(2), weight_version=1)
+    s.start(spec(2, max_duration_s=None), weight_version=1)
     run_steps(s, model, 1, weight_version=1)
     s.stop(2)
     final = s.wait_exported(2, timeout=WAIT)

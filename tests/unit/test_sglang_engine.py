@@ -29,15 +29,16 @@ from profiling.session import ProfileSession, SessionSpec
 from profiling.store import TraceStore
 from serve_app.config import AppArgs
 from serve_app.engines.base import GenerateRequest
+from serve_app.engines.options import SglangOptions
 from serve_app.engines.sglang_client import (
     GenerateAnswer,
     PauseGenerationBody,
     SglangClient,
     SglangError,
 )
-from serve_app.engines.sglang_engine import SglangEngine, _Recording, start_profile_body
+from serve_app.engines.sglang_engine import SglangEngine, SglangProfiler, start_profile_body
 from serve_app.engines.sglang_server import SglangServer, wait_ready
-from serve_app.local import free_port
+from serve_app.net import free_port
 from serve_app.weights import WeightsError
 
 RID = "replica-0"
@@ -66,7 +67,7 @@ def fake_url(model_dir: Path) -> Iterator[str]:
 
 @pytest.fixture
 async def engine(fake_url: str, model_dir: Path, tmp_path: Path) -> AsyncIterator[SglangEngine]:
-    args = AppArgs(engine="sglang", save_path=str(tmp_path / "traces"), sglang={"url": fake_url})
+    args = AppArgs(engine="sglang", num_replicas=1, save_path=str(tmp_path / "traces"), sglang={"url": fake_url})
     exporter = ThreadPoolExecutor(1, thread_name_prefix="export")
 
     def session(backend_factory):
@@ -91,8 +92,9 @@ async def engine(fake_url: str, model_dir: Path, tmp_path: Path) -> AsyncIterato
         exporter.shutdown(wait=True)
 
 
-def spec(step: int, tag: str | None = None, **options) -> SessionSpec:
-    return SessionSpec(step=step, steps=[step], options=ProfileOptions(**options), tag=tag)
+def profiler(engine: SglangEngine, spec: SessionSpec) -> SglangProfiler:
+    """A recording of the engine's profiler, driven by hand (the session drives it otherwise)."""
+    return SglangProfiler(spec, client=engine._client, trace_dir=engine.trace_dir, loop=asyncio.get_running_loop())
 
 
 def greedy(n: int = 4) -> GenerateRequest:
@@ -115,7 +117,7 @@ def perturbed_weights(model_dir: Path, out: Path, seed: int) -> Path:
 # -- the adapter against the fake server ------------------------------------------------------
 
 
-async def test_sglang_engine_against_fake_server_records_a_step_into_its_prefixed_trace(engine: SglangEngine):
+async def test_sglang_engine_against_fake_server_records_a_step_into_its_prefixed_trace(engine: SglangEngine, spec):
     assert await engine.start_profile(spec(3, max_forward_steps=None))
     results = [await engine.generate(greedy(4)), await engine.generate(greedy(3))]
     outcome = await engine.stop_profile(3, pause=False)
@@ -135,7 +137,7 @@ async def test_sglang_engine_against_fake_server_records_a_step_into_its_prefixe
         assert r.weight_versions == [0] and r.finish_reason in ("stop", "length")
 
 
-async def test_sglang_engine_against_fake_server_num_steps_cap_then_stop_is_a_clean_stop(engine: SglangEngine):
+async def test_sglang_engine_against_fake_server_num_steps_cap_then_stop_is_a_clean_stop(engine: SglangEngine, spec):
     """SGLang stops by itself after num_steps; our later stop gets its bare 500 and finds the trace."""
     await engine.start_profile(spec(4, max_forward_steps=2, tag="capped"))
     await engine.generate(greedy(5))
@@ -146,15 +148,17 @@ async def test_sglang_engine_against_fake_server_num_steps_cap_then_stop_is_a_cl
     assert Path(entry.files[0]).name.startswith("step4-capped-")
 
 
-async def test_sglang_engine_against_fake_server_refused_profiler_calls_name_url_route_and_status(engine: SglangEngine):
-    await engine._engine_start_profile("step7", ProfileOptions())
+async def test_sglang_engine_against_fake_server_refused_profiler_calls_name_url_route_and_status(
+    engine: SglangEngine, spec
+):
+    await profiler(engine, spec(7))._engine_start()
     with pytest.raises(SglangError) as err:
-        await engine._engine_start_profile("step7", ProfileOptions())
+        await profiler(engine, spec(7))._engine_start()
     message = str(err.value)
     assert err.value.status == 500
     for part in (engine._client.url, "POST /start_profile", "HTTP 500", "Internal Server Error", "server log"):
         assert part in message, message
-    await engine._engine_stop_profile()
+    await profiler(engine, spec(7))._engine_stop()
     with pytest.raises(SglangError, match="POST /stop_profile with HTTP 500"):
         await engine._client.call("/stop_profile", own_connection=True)
     # uvicorn closes the connection of a refused call: on a connection of its own, the next call
@@ -194,11 +198,11 @@ async def test_sglang_engine_against_fake_server_bad_weights_raise_and_the_old_v
 
 
 async def test_sglang_engine_against_fake_server_pause_holds_requests_until_resume(engine: SglangEngine):
-    await engine._engine_pause()
+    await engine._pause()
     held = asyncio.create_task(engine.generate(greedy(2)))
     await asyncio.sleep(0.5)
     assert not held.done(), "a request ran while generation was paused"
-    await engine._engine_resume()
+    await engine._resume()
     assert len((await asyncio.wait_for(held, 30)).token_ids) == 2
 
 
@@ -227,12 +231,15 @@ async def test_sglang_engine_against_fake_server_update_with_requests_in_flight_
 
 
 async def test_sglang_engine_against_fake_server_aborted_request_is_an_error(engine: SglangEngine):
-    running = asyncio.create_task(engine.generate(GenerateRequest(prompt_token_ids=[5], max_tokens=100)))
+    # Greedy and long (as the retract test above): still running when the abort comes, with no
+    # sampled end-of-sequence to finish it first.
+    running = asyncio.create_task(engine.generate(GenerateRequest(prompt_token_ids=[5, 6], max_tokens=300, temperature=0.0)))
     await asyncio.sleep(0.2)
+    assert not running.done()
     await engine._client.call("/pause_generation", PauseGenerationBody(mode="abort"))
     with pytest.raises(SglangError, match="aborted the request"):
         await asyncio.wait_for(running, 30)
-    await engine._engine_resume()
+    await engine._resume()
 
 
 async def test_sglang_engine_against_fake_server_rejects_out_of_range_prompts(engine: SglangEngine):
@@ -250,16 +257,16 @@ async def test_sglang_engine_against_fake_server_unhealthy_after_a_lost_call_unt
 
 async def test_sglang_engine_against_fake_server_nsys_stop_already_done_is_read_from_the_server_log(
     engine: SglangEngine,
+    spec,
 ):
     """tool nsys (CUDA_PROFILER) leaves no trace file: that SGLang stopped by itself after
     num_steps shows only in its log. The window is written down as a note for the step."""
-    engine._recording = _Recording("step8", "nsys", time.time())
-    with pytest.raises(SglangError, match="HTTP 500"):
-        await engine._engine_stop_profile()  # nothing was recording, and the log does not say so
+    with pytest.raises(SglangError, match="HTTP 500"):  # nothing was recording, and the log does not say so
+        await profiler(engine, spec(8, tool="nsys"))._engine_stop()
     engine._client._log_tail = lambda: "RuntimeError: Profiling is not in progress. Call /start_profile first."
-    engine._recording = _Recording("step8", "nsys", time.time())
-    await engine._engine_stop_profile()
-    (note,) = engine.trace_files("step8")
+    recording = profiler(engine, spec(8, tool="nsys"))
+    await recording._engine_stop()
+    (note,) = recording.recorded_files()
     assert note.name == "step8-nsys_capture.json"
     assert json.loads(note.read_text())["trace_written_here"] is False
 
@@ -283,10 +290,12 @@ def test_sglang_start_profile_body_maps_tools_and_options(tmp_path: Path):
     assert start_profile_body("s", ProfileOptions(tool="nsys"), tmp_path).activities == ["CUDA_PROFILER"]
     npu = start_profile_body("step9", ProfileOptions(tool="npu"), tmp_path)
     assert npu.output_dir == str(tmp_path / "step9-ascend")
+    # What SGLang cannot record is refused by the engine's option rules, before any body is built.
+    npu_settings = ProfileOptions(tool="npu", npu=NpuOptions(level="level2"))
     with pytest.raises(ValueError, match="profiler.npu"):
-        start_profile_body("s", ProfileOptions(tool="npu", npu=NpuOptions(level="level2")), tmp_path)
+        SglangOptions.check_profiler(npu_settings, npu_settings)
     with pytest.raises(ValueError, match="with_memory"):
-        start_profile_body("s", ProfileOptions(with_memory=True), tmp_path)
+        SglangOptions.check_profiler(ProfileOptions(with_memory=True), ProfileOptions())
 
 
 @pytest.mark.parametrize(

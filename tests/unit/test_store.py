@@ -1,4 +1,4 @@
-"""TraceStore: the on-disk layout of DESIGN.md §5, atomic writes, guards, the manifest."""
+"""TraceStore: the on-disk layout of docs/design.md#traces-on-disk, atomic writes, guards, the manifest."""
 
 from __future__ import annotations
 
@@ -13,11 +13,6 @@ import pytest
 from profiling.config import ProfileOptions
 from profiling.manifest import ManifestEntry, SessionRecord, StepManifest, SyncCost
 from profiling.store import StorageError, TraceStore, atomic_write_text
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> TraceStore:
-    return TraceStore(tmp_path / "profile")
 
 
 def rollout(rid: str, **kw) -> ManifestEntry:
@@ -331,8 +326,7 @@ def test_concurrent_entry_writes_and_refreshes_keep_all_entries(store: TraceStor
     assert temp_files(store.root) == []
 
 
-def test_set_aside_moves_an_earlier_run_of_a_step_out_of_the_listing(tmp_path):
-    store = TraceStore(tmp_path)
+def test_set_aside_moves_an_earlier_run_of_a_step_out_of_the_listing(store: TraceStore):
     assert store.set_aside(3) is None
     old = store.rollout_dir(3, "r-old")
     old.mkdir(parents=True)

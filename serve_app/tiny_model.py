@@ -16,7 +16,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 # A small built-in corpus: enough text for a 512-token BPE vocabulary.
 _CORPUS = """
@@ -34,19 +34,42 @@ Every replica keeps its own trace directory; every step keeps its own manifest.
 
 
 class TinyModelSpec(BaseModel):
-    """Shape of the tiny Llama. head_dim = hidden_size / num_attention_heads must be >= 32
-    (vLLM's CPU attention needs it)."""
+    """Shape of the tiny Llama (`args.tiny_model`), built when `model_path` is null."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     vocab_size: int = Field(512, ge=300)
+    """BPE vocabulary size, trained on the built-in corpus."""
     hidden_size: int = Field(128, ge=32)
+    """Width of the residual stream."""
     intermediate_size: int = Field(256, ge=32)
+    """Width of each MLP."""
     num_hidden_layers: int = Field(2, ge=1)
+    """Decoder layers."""
     num_attention_heads: int = Field(4, ge=1)
+    """Query heads; head_dim = hidden_size / num_attention_heads (vLLM's CPU attention needs >= 32)."""
     num_key_value_heads: int = Field(2, ge=1)
+    """Key/value heads (grouped-query attention); must divide num_attention_heads."""
     max_position_embeddings: int = Field(512, ge=64)
+    """Longest sequence the model takes."""
     seed: int = 0
+    """Seed of the random initial weights (the same spec always builds the same model)."""
+
+    @model_validator(mode="after")
+    def _llama_shape(self) -> TinyModelSpec:
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size {self.hidden_size} must be a multiple of num_attention_heads {self.num_attention_heads}"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_key_value_heads {self.num_key_value_heads} must divide num_attention_heads {self.num_attention_heads}"
+            )
+        return self
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
 
     def digest(self) -> str:
         return hashlib.sha256(self.model_dump_json().encode()).hexdigest()[:12]
@@ -115,7 +138,7 @@ def _build(spec: TinyModelSpec, target: Path) -> None:
             eos_token_id=tok.token_to_id("</s>"),
             pad_token_id=tok.token_to_id("<pad>"),
             tie_word_embeddings=False,
-            torch_dtype="float32",
+            dtype="float32",
         )
         torch.manual_seed(spec.seed)
         model = LlamaForCausalLM(config)

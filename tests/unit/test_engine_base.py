@@ -1,6 +1,6 @@
-"""The control flow shared by engines with their own profiler (serve_app/engines/external.py),
-against FakeProfilingEngine: a fake engine that writes files the way vLLM does and records
-the order of the calls it gets. The real engines are tested in tests/integration."""
+"""The control policy every engine shares (serve_app/engines/base.py), against FakeProfilingEngine:
+a FAKE engine whose FAKE profiler writes files the way vLLM does and records the order of the
+calls it gets. The real engines are tested in tests/integration."""
 
 from __future__ import annotations
 
@@ -8,31 +8,54 @@ import asyncio
 import gzip
 import json
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from profiling.config import ProfileOptions
 from profiling.manifest import ManifestEntry
 from profiling.session import ProfileSession, SessionConflict, SessionSpec
 from profiling.store import TraceStore
-from serve_app.engines.base import GenerateRequest, GenerateResult
-from serve_app.engines.external import ExternalEngine, recording_prefix
+from serve_app.config import AppArgs
+from serve_app.engines.base import GenerateRequest, GenerateResult, RolloutEngine
+from serve_app.engines.engine_profiler import EngineProfiler, recording_prefix
 
 FLUSH_S = 0.3
 
 
-class FakeProfilingEngine(ExternalEngine):
-    """A fake engine: its profiler 'flushes' for FLUSH_S at stop and writes a vLLM-named trace."""
+class FakeProfiler(EngineProfiler):
+    """A fake engine-owned profiler: it 'flushes' for FLUSH_S at stop and writes a vLLM-named trace."""
 
-    model_name = "fake"
-    step_range = '"name": "execute_context_'
+    step_range = "execute_context_"
 
-    def __init__(
-        self, store: TraceStore, exporter: ThreadPoolExecutor, trace_dir: Path, model_dir: Path, hold_timeout_s: float = 5.0
-    ):
+    def __init__(self, spec: SessionSpec, engine: FakeProfilingEngine):
+        assert engine._loop is not None
+        super().__init__(spec, trace_dir=engine.trace_dir, loop=engine._loop)
+        self._engine = engine
+
+    async def _engine_start(self) -> None:
+        if self._engine.fail_start:
+            raise RuntimeError("the fake profiler refused to start")
+        self._engine.log("start")
+
+    async def _engine_stop(self) -> None:
+        await asyncio.sleep(FLUSH_S)
+        trace = {"traceEvents": [{"ph": "X", "cat": "user_annotation", "name": "execute_context_0(1)", "ts": 1, "dur": 1}]}
+        (self.trace_dir / f"{self.prefix}_rank0.123.pt.trace.json").write_text(json.dumps(trace, indent=1))
+        (self.trace_dir / f"{self.prefix}_rank0.profiler_out.txt").write_text("table")
+        (self.trace_dir / f"{self.prefix}0_rank0.999.pt.trace.json").write_text("{}")  # another step's
+        self._engine.log("stop-flushed")
+
+
+class FakeProfilingEngine(RolloutEngine[Path]):
+    """A fake engine with its own (fake) profiler; vLLM's option rules apply to it."""
+
+    def __init__(self, store: TraceStore, exporter, trace_dir: Path, model_dir: Path, hold_timeout_s: float = 5.0):
+        self.calls: list[tuple[str, float]] = []
+        self.loaded: list[tuple[Path, int]] = []
+        self.fail_start = False
         super().__init__(
+            args=AppArgs(engine="vllm", hold_timeout_s=hold_timeout_s),
+            model_dir=model_dir,
             session_factory=lambda backend_factory: ProfileSession(
                 store=store,
                 entry_identity=ManifestEntry(role="rollout", replica_id="fake0"),
@@ -40,49 +63,38 @@ class FakeProfilingEngine(ExternalEngine):
                 backend_factory=backend_factory,
             ),
             trace_dir=trace_dir,
-            hold_timeout_s=hold_timeout_s,
-            model_dir=model_dir,
         )
-        self.calls: list[tuple[str, float]] = []
-        self.prefix: str | None = None
-        self.loaded: list[tuple[Path, int]] = []
-        self.fail_start = False
 
-    def _log(self, what: str) -> None:
+    def log(self, what: str) -> None:
         self.calls.append((what, time.monotonic()))
 
-    async def _engine_start_profile(self, prefix: str, options: ProfileOptions) -> None:
-        if self.fail_start:
-            raise RuntimeError("the fake profiler refused to start")
-        self.prefix = prefix
-        self._log("start")
+    def _open(self, args: AppArgs, model_dir: Path) -> None:
+        self.trace_dir.mkdir(parents=True, exist_ok=True)
 
-    async def _engine_stop_profile(self) -> None:
-        await asyncio.sleep(FLUSH_S)
-        trace = {"traceEvents": [{"ph": "X", "cat": "user_annotation", "name": "execute_context_0(1)", "ts": 1, "dur": 1}]}
-        (self.trace_dir / f"{self.prefix}_rank0.123.pt.trace.json").write_text(json.dumps(trace, indent=1))
-        (self.trace_dir / f"{self.prefix}_rank0.profiler_out.txt").write_text("table")
-        (self.trace_dir / f"{self.prefix}0_rank0.999.pt.trace.json").write_text("{}")  # another step's
-        self._log("stop-flushed")
-
-    async def _engine_pause(self) -> None:
-        self._log("pause")
-
-    async def _engine_resume(self) -> None:
-        self._log("resume")
-
-    async def _engine_load_weights(self, path: Path, version: int) -> None:
-        self.loaded.append((path, version))
-        self._log("load")
-
-    async def generate(self, request: GenerateRequest) -> GenerateResult:
+    async def _generate(self, request: GenerateRequest) -> GenerateResult:
         raise NotImplementedError
 
-    def healthy(self) -> bool:
+    def _profiler(self, spec: SessionSpec) -> FakeProfiler:
+        return FakeProfiler(spec, self)
+
+    async def _pause(self) -> None:
+        self.log("pause")
+
+    async def _resume(self) -> None:
+        self.log("resume")
+
+    async def _read_weights(self, path: Path) -> Path:
+        return path
+
+    async def _load_weights(self, weights: Path, version: int) -> None:
+        self.loaded.append((weights, version))
+        self.log("load")
+
+    def _healthy(self) -> bool:
         return True
 
-    async def shutdown(self) -> None:
-        await self._close_control()
+    async def _close(self) -> None:
+        pass
 
     def names(self) -> list[str]:
         return [c for c, _ in self.calls]
@@ -93,11 +105,7 @@ def engine(store, exporter, tmp_path, model_dir):
     return FakeProfilingEngine(store, exporter, tmp_path / "engine" / "fake0", model_dir)
 
 
-def spec(step: int, **options) -> SessionSpec:
-    return SessionSpec(step=step, steps=[step], options=ProfileOptions(**options))
-
-
-async def test_stop_with_pause_answers_before_the_engine_flush_and_update_waits_for_it(engine, store):
+async def test_stop_with_pause_answers_before_the_engine_flush_and_update_waits_for_it(engine, store, spec):
     assert await engine.start_profile(spec(3))
     t0 = time.monotonic()
     outcome = await engine.stop_profile(3, pause=True)
@@ -113,7 +121,7 @@ async def test_stop_with_pause_answers_before_the_engine_flush_and_update_waits_
     await engine.shutdown()
 
 
-async def test_stop_without_pause_answers_after_the_flush(engine):
+async def test_stop_without_pause_answers_after_the_flush(engine, spec):
     await engine.start_profile(spec(2))
     t0 = time.monotonic()
     await engine.stop_profile(2, pause=False)
@@ -122,7 +130,7 @@ async def test_stop_without_pause_answers_after_the_flush(engine):
     await engine.shutdown()
 
 
-async def test_export_moves_only_this_recordings_files_gzipped_and_counts_steps(engine, store):
+async def test_export_moves_only_this_recordings_files_gzipped_and_counts_steps(engine, store, spec):
     await engine.start_profile(spec(1, max_forward_steps=5))
     await engine.stop_profile(1, pause=False)
     entry = await engine.wait_exported(1, 10)
@@ -138,7 +146,7 @@ async def test_export_moves_only_this_recordings_files_gzipped_and_counts_steps(
     await engine.shutdown()
 
 
-async def test_start_of_another_step_conflicts_and_a_failed_start_leaves_it_idle(engine):
+async def test_start_of_another_step_conflicts_and_a_failed_start_leaves_it_idle(engine, spec):
     await engine.start_profile(spec(1))
     with pytest.raises(SessionConflict):
         await engine.start_profile(spec(2))
@@ -160,7 +168,7 @@ async def test_hold_without_update_expires(store, exporter, tmp_path, model_dir)
     await engine.shutdown()
 
 
-async def test_max_duration_watchdog_stops_the_engine_profiler(engine):
+async def test_max_duration_watchdog_stops_the_engine_profiler(engine, spec):
     await engine.start_profile(spec(5, max_duration_s=0.1))
     await asyncio.sleep(1.5)
     assert "stop-flushed" in engine.names()
@@ -170,9 +178,9 @@ async def test_max_duration_watchdog_stops_the_engine_profiler(engine):
     await engine.shutdown()
 
 
-def test_recording_prefix_names_step_and_tag():
+def test_recording_prefix_names_step_and_tag(spec):
     assert recording_prefix(spec(7)) == "step7"
-    tagged = SessionSpec(step=7, steps=[7], options=ProfileOptions(), tag="run-a.1")
+    tagged = spec(7, tag="run-a.1")
     assert recording_prefix(tagged) == "step7-run-a.1"
 
 

@@ -1,7 +1,7 @@
 """Render the HTTP route reference of docs/http_api.md from the ingress's OpenAPI schema.
 
-    python -m serve_app.openapi_doc            # rewrite the generated part of docs/http_api.md
-    python -m serve_app.openapi_doc --check    # exit 1 if it is out of date with the code
+    python -m tools.openapi_doc            # rewrite the generated part of docs/http_api.md
+    python -m tools.openapi_doc --check    # exit 1 if it is out of date with the code
 
 The schema comes from the same FastAPI app the ingress serves at `/openapi.json`, built from the
 ingress class's route mixins without starting Ray (importing the app module imports Ray's
@@ -12,16 +12,17 @@ generated; the rest of the page is written by hand.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from tools.schema_tables import cell, fields_table, markdown_type, ref_closure, ref_name
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "http_api.md"
-REGENERATE = "python -m serve_app.openapi_doc"
+REGENERATE = "python -m tools.openapi_doc"
 BEGIN = f"<!-- BEGIN GENERATED ROUTE REFERENCE: `{REGENERATE}` writes this part; do not edit it by hand -->"
 END = "<!-- END GENERATED ROUTE REFERENCE -->"
 
@@ -51,7 +52,7 @@ def ingress_app() -> FastAPI:
     mixins = tuple(c for c in RolloutIngress.__mro__ if "ENDPOINTS" in vars(c))
     endpoints: dict[str, Any] = {}
     for mixin in mixins:  # in MRO order, as the app registers them; the first mixin wins
-        for name, route in mixin.ENDPOINTS.items():
+        for name, route in vars(mixin)["ENDPOINTS"].items():
             endpoints.setdefault(name, route)
     app = create_fastapi_app()
     make_ingress(type("IngressRoutes", mixins, {}), endpoints, app)
@@ -64,76 +65,6 @@ def build_openapi() -> dict[str, Any]:
 
 
 # -- rendering ------------------------------------------------------------------------------
-
-
-def _number(value: float) -> str:
-    if abs(value) >= 1e12:
-        return f"{value:.3g}"
-    return str(int(value)) if float(value).is_integer() else str(value)
-
-
-def _ref_name(schema: dict[str, Any]) -> str | None:
-    ref = schema.get("$ref")
-    return ref.rsplit("/", 1)[-1] if ref else None
-
-
-def _type(schema: dict[str, Any]) -> str:
-    """A JSON schema as a short Markdown type: `integer, >= 1`, `StepManifest`, `string or null`."""
-    if (name := _ref_name(schema)) is not None:
-        return f"[`{name}`](#{name.lower()})"
-    if "anyOf" in schema:
-        return " or ".join(_type(s) for s in schema["anyOf"])
-    if "const" in schema:
-        return f"`{_json(schema['const'])}`"
-    if "enum" in schema:
-        return " \\| ".join(f"`{_json(v)}`" for v in schema["enum"])
-    kind = schema.get("type")
-    if kind == "array":
-        text = f"array of {_type(schema.get('items', {}))}"
-    elif kind == "object" and isinstance(schema.get("additionalProperties"), dict):
-        text = f"object of {_type(schema['additionalProperties'])}"
-    elif kind is None:
-        text = "any"
-    else:
-        text = "null" if kind == "null" else kind
-    return text + _constraints(schema)
-
-
-def _constraints(schema: dict[str, Any]) -> str:
-    rules = []
-    for key, sign in (("minimum", ">="), ("exclusiveMinimum", ">"), ("maximum", "<="), ("exclusiveMaximum", "<")):
-        if key in schema:
-            rules.append(f"{sign} {_number(schema[key])}")
-    for key, sign in (("minLength", ">="), ("minItems", ">=")):
-        if key in schema and schema[key] > 0:
-            rules.append(f"length {sign} {schema[key]}")
-    if "maxLength" in schema:
-        rules.append(f"length <= {schema['maxLength']}")
-    if "pattern" in schema:
-        rules.append(f"matching `{schema['pattern']}`")
-    return f", {', '.join(rules)}" if rules else ""
-
-
-def _json(value: Any) -> str:
-    return json.dumps(value)
-
-
-def _cell(text: str) -> str:
-    return " ".join(text.split()).replace("|", "\\|")
-
-
-def _fields_table(schema: dict[str, Any]) -> list[str]:
-    required = set(schema.get("required", []))
-    lines = ["| field | type | default | description |", "|---|---|---|---|"]
-    for name, prop in schema.get("properties", {}).items():
-        if name in required:
-            default = "required"
-        elif "default" in prop:
-            default = f"`{_json(prop['default'])}`"
-        else:
-            default = ""
-        lines.append(f"| `{name}` | {_type(prop)} | {default} | {_cell(prop.get('description', ''))} |")
-    return lines
 
 
 def _json_schema(content: dict[str, Any]) -> dict[str, Any] | None:
@@ -149,30 +80,19 @@ def _responses(op: dict[str, Any], guarded: bool) -> list[str]:
     for code in sorted(answers, key=int):
         answer = answers[code]
         schema = _json_schema(answer.get("content", {}))
-        name = _ref_name(schema) if schema else None
+        name = ref_name(schema) if schema else None
         if name == _FASTAPI_VALIDATION:
             body = "validation error: `detail` (string), `errors` (array)"
         elif schema is None:
             body = "`detail` (string)" if code == "401" else ""
         elif schema:
-            body = _type(schema)
+            body = markdown_type(schema)
         else:
             body = "not described by the schema (see above)"
         description = answer.get("description", "")
         when = "" if description in _GENERIC_DESCRIPTIONS or description == _STATUS_TEXT.get(int(code)) else description
-        lines.append(f"| {code} {_STATUS_TEXT.get(int(code), '')} | {body} | {_cell(when)} |")
+        lines.append(f"| {code} {_STATUS_TEXT.get(int(code), '')} | {body} | {cell(when)} |")
     return lines
-
-
-def _referenced(node: Any, found: set[str]) -> None:
-    if isinstance(node, dict):
-        if (name := _ref_name(node)) is not None:
-            found.add(name)
-        for value in node.values():
-            _referenced(value, found)
-    elif isinstance(node, list):
-        for value in node:
-            _referenced(value, found)
 
 
 def render_reference(spec: dict[str, Any]) -> str:
@@ -190,35 +110,28 @@ def render_reference(spec: dict[str, Any]) -> str:
             path_params = [p for p in params if p["in"] != "header"]
             if path_params:
                 out += ["| parameter | in | type |", "|---|---|---|"]
-                out += [f"| `{p['name']}` | {p['in']} | {_type(p['schema'])} |" for p in path_params]
+                out += [f"| `{p['name']}` | {p['in']} | {markdown_type(p['schema'])} |" for p in path_params]
                 out.append("")
             body = op.get("requestBody")
             if body is not None:
                 schema = _json_schema(body["content"]) or {}
-                name = _ref_name(schema)
+                name = ref_name(schema)
                 model = schemas.get(name, schema) if name else schema
                 inline.add(name or "")
                 strict = " Unknown fields are refused (422)." if model.get("additionalProperties") is False else ""
                 out += [f"Request body: `{name}` (JSON).{strict}", ""]
-                out += _fields_table(model)
+                out += fields_table(model)
                 out.append("")
             out += _responses(op, guarded)
             out.append("")
-    used: set[str] = set()
-    _referenced({p: ops for p, ops in spec["paths"].items()}, used)
-    closure = set()
-    while used - closure:
-        name = sorted(used - closure)[0]
-        closure.add(name)
-        _referenced(schemas.get(name, {}), used)
-    closure -= inline | {_FASTAPI_VALIDATION, "ValidationError"}
+    closure = set(ref_closure(spec["paths"], schemas)) - inline - {_FASTAPI_VALIDATION, "ValidationError"}
     out += ["## Bodies", ""]
     for name in sorted(closure):
         schema = schemas[name]
         out += [f"### {name}", ""]
         if schema.get("description"):
-            out += [_cell(schema["description"]), ""]
-        out += _fields_table(schema)
+            out += [cell(schema["description"]), ""]
+        out += fields_table(schema)
         out.append("")
     return "\n".join(out).rstrip() + "\n"
 
@@ -234,7 +147,7 @@ def splice(page: str, reference: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Write (or with --check, verify) the generated part of docs/http_api.md."""
-    parser = argparse.ArgumentParser(prog="python -m serve_app.openapi_doc", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.openapi_doc", description=__doc__.split("\n")[0])
     parser.add_argument("--check", action="store_true", help="exit 1 if the page is out of date")
     parser.add_argument("--doc", type=Path, default=DOC, help="the page to update (default: %(default)s)")
     args = parser.parse_args(argv)

@@ -1,0 +1,129 @@
+"""What the profile and weight controls share: the replicas reached by broadcast, the app's
+desired state, and the one lock that serialises control calls (so stop -> update -> start
+sequences never interleave).
+
+Control calls reach every replica through `DeploymentHandle.broadcast`, never the load
+balancer (docs/design.md#fan-out). Each replica answers with a ReplicaReport naming itself; a
+replica that raised, died, or did not answer within the timeout becomes an `ok: false` report
+instead of failing the whole call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from ray.serve.exceptions import DeploymentUnavailableError
+from ray.serve.handle import DeploymentHandle
+
+from serve_app.api import UNKNOWN_REPLICA, ReplicaReport
+from serve_app.desired_state import DesiredState, DesiredStateStore
+from serve_app.metrics import CONTROL_ERRORS
+
+
+async def broadcast(
+    handle: DeploymentHandle,
+    method: str,
+    *args: Any,
+    timeout_s: float,
+    expected: set[str] | None = None,
+    probe: str = "status",
+    **kwargs: Any,
+) -> list[ReplicaReport]:
+    """Call `method` on every live replica concurrently; one report per replica.
+
+    `expected` names replicas that should answer; each one that does not gets its own
+    `ok: false` report (it died or timed out), so failures are never anonymous when known.
+    `probe` names a cheap replica method used to wait for the first replica.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        response = handle.broadcast(method, *args, **kwargs)
+        try:
+            # Per-replica results: results_async() would fail the whole call on one slow replica.
+            replica_results = await asyncio.wait_for(
+                response._fetch_replica_results_async(), max(0.0, deadline - time.monotonic())
+            )
+            break
+        except TimeoutError:
+            replica_results = []
+            break
+        except DeploymentUnavailableError as e:
+            # broadcast() only sees replicas the handle's router already knows, and a fresh
+            # router knows none (nor does one whose replicas are all still starting); a routed
+            # call waits until one is running. Wait that way, within the timeout.
+            try:
+                await asyncio.wait_for(getattr(handle, probe).remote(), max(0.0, deadline - time.monotonic()))
+            except Exception:  # noqa: BLE001 - still none: report it per replica below
+                return _missing(expected, f"no replica reachable: {e}")
+    tasks = [asyncio.ensure_future(rr.get_async()) for rr in replica_results]
+    if tasks:
+        await asyncio.wait(tasks, timeout=max(0.0, deadline - time.monotonic()))
+    reports: list[ReplicaReport] = []
+    anonymous: list[str] = []
+    for task in tasks:
+        if not task.done():
+            task.cancel()
+            anonymous.append(f"no answer within {timeout_s:.1f}s")
+        elif (error := task.exception()) is not None:
+            anonymous.append(f"{type(error).__name__}: {error}")
+        else:
+            reports.append(ReplicaReport.model_validate(task.result()))
+    answered = {r.replica_id for r in reports}
+    missing = sorted((expected or set()) - answered)
+    for i, rid in enumerate(missing):
+        why = anonymous[i] if i < len(anonymous) else "replica died or was removed"
+        reports.append(ReplicaReport(replica_id=rid, ok=False, error=why))
+    for why in anonymous[len(missing) :]:
+        reports.append(ReplicaReport(replica_id=UNKNOWN_REPLICA, ok=False, error=why))
+    return reports
+
+
+def _missing(expected: set[str] | None, why: str) -> list[ReplicaReport]:
+    if not expected:
+        return [ReplicaReport(replica_id=UNKNOWN_REPLICA, ok=False, error=why)]
+    return [ReplicaReport(replica_id=rid, ok=False, error=why) for rid in sorted(expected)]
+
+
+class Fleet:
+    """The rollout replicas as the control plane sees them. One per ingress."""
+
+    def __init__(self, replicas: DeploymentHandle, desired: DesiredStateStore, control_timeout_s: float):
+        self.replicas = replicas
+        self.lock = asyncio.Lock()
+        """Held for the whole of each start, stop and weight update."""
+        self._desired = desired
+        self._timeout_s = control_timeout_s
+        self._state: DesiredState | None = None
+        self._known: set[str] = set()
+
+    async def desired(self) -> DesiredState:
+        """The desired state; this controller is its only writer, so it is read once."""
+        if self._state is None:
+            self._state = await self._desired.get()
+        return self._state
+
+    async def publish(self, state: DesiredState) -> None:
+        """Make `state` the desired state (replicas that start read it)."""
+        if state.active is not None and state.active_since is None:
+            # A step (re)starting: its start time travels with it, for a controller that
+            # restarts mid-step.
+            state.active_since = time.time()
+        elif state.active is None:
+            state.active_since = None
+        self._state = state
+        await self._desired.set(state)
+
+    async def set_weights_refs(self, refs: list[Any]) -> None:
+        """Keep the object-store ref of the served weights where joining replicas find it."""
+        await self._desired.set_weights_refs(refs)
+
+    async def broadcast(self, method: str, *args: Any, timeout_s: float | None = None) -> list[ReplicaReport]:
+        """`method` on every replica; a replica that answered before and is silent now is
+        reported by name."""
+        reports = await broadcast(self.replicas, method, *args, timeout_s=timeout_s or self._timeout_s, expected=self._known)
+        self._known = {r.replica_id for r in reports if r.ok or r.conflict}
+        if failed := sum(not r.ok for r in reports):
+            CONTROL_ERRORS.labels(method).inc(failed)
+        return reports

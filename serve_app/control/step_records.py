@@ -1,0 +1,173 @@
+"""The controller's records of each step under save_path: the session record (`session.json`)
+and the manifest derived from it (docs/design.md#manifest), plus the steps listing.
+
+Every disk read and write runs off the event loop. The writes that follow a start or stop run
+after the call has answered, in call order; a step whose records could not be written (save_path
+unwritable or full) is remembered here, with the replicas whose traces are lost, and served as
+507 by `GET /profile/steps/{k}`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from profiling.config import MAX_STEP
+from profiling.manifest import SessionRecord, StepManifest
+from profiling.store import StorageError, TraceStore
+from serve_app.api import ReplicaReport, StepsResponse, StepSummary
+from serve_app.errors import InsufficientStorage, NotFound
+from serve_app.metrics import observe_exports
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Unrecorded:
+    """A step whose records could not be written: the last write error, and the replicas whose
+    traces are lost (replica id -> why)."""
+
+    error: str
+    lost: dict[str, str] = field(default_factory=dict)
+
+
+class StepRecords:
+    def __init__(self, store: TraceStore, min_free_disk_mb: float):
+        self.store = store
+        self._min_free_disk_mb = min_free_disk_mb
+        self._books = asyncio.Lock()  # FIFO: session/manifest writes happen in call order
+        self._unrecorded: dict[int, _Unrecorded] = {}
+        self._background: set[asyncio.Future[None]] = set()
+
+    def background(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run `coro` after the call answers, keeping it referenced until it is done."""
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # -- a start --------------------------------------------------------------------------------
+    async def prepare(self, step: int) -> None:
+        """Before a fresh start of `step`: save_path must be writable with min_free_disk_mb
+        free (else 507), and an earlier run of the same step number is moved aside."""
+
+        def prepare() -> Path | None:
+            self.store.check_writable(self._min_free_disk_mb)
+            return self.store.set_aside(step)
+
+        try:
+            moved = await asyncio.to_thread(prepare)
+        except StorageError as e:
+            raise InsufficientStorage(str(e)) from e
+        except OSError as e:
+            raise InsufficientStorage(f"cannot move step {step}'s earlier traces aside: {e}") from e
+        if moved is not None:
+            log.warning("step %s was recorded before under save_path; moved that run to %s", step, moved)
+        self._unrecorded.pop(step, None)  # an earlier run of this step number no longer counts
+
+    async def failed_start(self, step: int, record: SessionRecord) -> None:
+        """Record a start that no replica carried out, before the call answers."""
+
+        def write() -> None:
+            self.store.write_session(step, record)
+            self.store.refresh_manifest(step)
+
+        async with self._books:
+            await asyncio.to_thread(write)
+
+    def started(self, step: int, fresh: SessionRecord | None, joined: set[str]) -> None:
+        """After a start: the replicas that joined `step` (`fresh`: a new step's record)."""
+
+        def write() -> None:
+            record = fresh or self.store.read_session(step)
+            if record is not None:
+                record.replicas = sorted({*record.replicas, *joined})
+                self.store.write_session(step, record)
+
+        self._after(step, write)
+
+    # -- a stop ---------------------------------------------------------------------------------
+    def stopped(self, step: int, stopped_at: float, reason: str | None, reports: list[ReplicaReport]) -> None:
+        """After a stop: when, why if the app stopped it itself, and which replicas failed or vanished."""
+        failed = {r.replica_id: r.error or "stop failed" for r in reports if not r.ok}
+
+        def write() -> None:
+            record = self.store.read_session(step)
+            if record is not None:
+                record.stopped_at = stopped_at
+                record.auto_stopped = reason
+                record.failures.update(failed)
+                for rid in set(record.replicas) - {r.replica_id for r in reports}:
+                    record.failures[rid] = "replica died or was removed before the stop"
+                self.store.write_session(step, record)
+            self.store.refresh_manifest(step)
+
+        self._after(step, write, failed)
+
+    def exported(self, step: int, failed: dict[str, str]) -> None:
+        """After every replica's export of `step` finished or was given up: the traces lost."""
+
+        def write() -> None:
+            record = self.store.read_session(step)
+            if record is not None and failed:
+                for rid, why in failed.items():
+                    record.failures.setdefault(rid, why)
+                self.store.write_session(step, record)
+            observe_exports(self.store.refresh_manifest(step))
+
+        self._after(step, write, failed)
+
+    def _after(self, step: int, write: Callable[[], None], lost: dict[str, str] | None = None) -> None:
+        """Run `write` after answering, in call order, off the loop. `lost`: replica id -> why its
+        trace is missing; if the write fails, it is kept for GET /profile/steps/{k}."""
+
+        async def run() -> None:
+            async with self._books:
+                try:
+                    await asyncio.to_thread(write)
+                except OSError as e:
+                    log.error("could not record step %s under %s: %s", step, self.store.root, e)
+                    unrecorded = self._unrecorded.setdefault(step, _Unrecorded(error=str(e)))
+                    unrecorded.error = str(e)
+                    unrecorded.lost.update(lost or {})
+
+        self.background(run())
+
+    # -- reads ----------------------------------------------------------------------------------
+    async def steps(self) -> StepsResponse:
+        """Every step under save_path with its manifest's status."""
+
+        def read() -> list[StepSummary]:
+            return [
+                StepSummary(step=k, steps=m.steps, status=m.status)
+                for k in self.store.steps()
+                if (m := self.store.read_manifest(k)) is not None
+            ]
+
+        try:
+            summaries = await asyncio.to_thread(read)
+        except OSError as e:
+            raise InsufficientStorage(f"save_path {self.store.root} cannot be read ({e}); check the disk it is on") from e
+        return StepsResponse(save_path=str(self.store.root), steps=summaries)
+
+    async def step(self, k: int) -> StepManifest:
+        """Step k's manifest; 507 naming what was lost if its records could not be written."""
+        if not 1 <= k <= MAX_STEP:
+            raise NotFound(f"no manifest for step {k}: steps are 1..{MAX_STEP}")
+        if (unrecorded := self._unrecorded.get(k)) is not None:
+            lost = "; ".join(f"{rid} ({why})" for rid, why in sorted(unrecorded.lost.items()))
+            raise InsufficientStorage(
+                f"step {k} could not be recorded under save_path {self.store.root} ({unrecorded.error}): "
+                f"its manifest is missing or out of date; replicas whose traces are lost: {lost or 'none reported'}. "
+                "Make save_path writable, with min_free_disk_mb free, before profiling again",
+            )
+        try:
+            m = await asyncio.to_thread(self.store.read_manifest, k)
+        except OSError as e:
+            raise InsufficientStorage(f"step {k}'s manifest cannot be read under {self.store.root} ({e})") from e
+        if m is None:
+            raise NotFound(f"no manifest for step {k} under {self.store.root}")
+        return m
