@@ -226,26 +226,29 @@ class RolloutEngine(HfTokenizerMixin, ABC, Generic[W]):
         t0 = time.perf_counter()
         weights = await self._read_weights(Path(path)) if path is not None and version != self.weight_version else None
         async with self._control:
+            paused_here = False
             if weights is not None and version != self.weight_version:
-                was_held = self._held
-                if not was_held:
+                if not self._held:
                     await self._pause_engine()
+                    paused_here = True
                 try:
                     await self._load_weights(weights, version)
                 except BaseException:
-                    if not was_held:  # keep serving the old weights; the load error is the answer
+                    if paused_here:  # keep serving the old weights; the load error is the answer
                         try:
                             await self._resume_engine()
                         except Exception:  # noqa: BLE001 - logged, the load error is raised
                             log.exception("resuming the engine after a failed weight load failed")
                     raise
                 self.weight_version = version
-                if not was_held:
-                    await self._resume_engine()
-            if resume:
-                await self._release()
-            else:  # hold for the /profile/start that follows: nothing runs unprofiled on `version`
+            if not resume:
+                # Hold for the /profile/start that follows, straight from the load's pause: not
+                # one engine step may run unprofiled on `version` in between.
                 await self._hold()
+            elif paused_here:
+                await self._resume_engine()
+            else:
+                await self._release()
         return time.perf_counter() - t0
 
     async def wait_exported(self, step: int, timeout_s: float) -> ManifestEntry | None:
@@ -302,7 +305,8 @@ class RolloutEngine(HfTokenizerMixin, ABC, Generic[W]):
     async def _hold(self) -> None:
         """Admit no engine step until the next start or resuming update, or the hold timeout."""
         if not self._held:
-            await self._pause_engine()
+            if not self._engine_paused:
+                await self._pause_engine()
             self._held = True
         if self._hold_timer is not None:
             self._hold_timer.cancel()

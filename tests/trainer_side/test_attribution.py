@@ -40,8 +40,15 @@ class Run:
 
 def _train(module_deployed, model_dir, name: str, steps: list[int], total_versions: int) -> Run:
     app = module_deployed(name, profiler={"max_forward_steps": None, "max_duration_s": 300})
+    # On-policy samples only (max_staleness 0): every version trains on completions generated on
+    # the version before it, so every profiled window has forward passes to attribute. With stale
+    # samples allowed, a full queue of older completions can train a version with no generation
+    # in its window, and the marker checks below would hold vacuously.
     cfg = training_config(
-        app, f"global_profiler.steps={steps}", f"trainer.total_versions={total_versions}"
+        app,
+        f"global_profiler.steps={steps}",
+        f"trainer.total_versions={total_versions}",
+        "rollout.max_staleness=0",
     )
     result = run_training(cfg, app.base_url, model_dir)
     assert [v.version for v in result.versions] == list(range(1, total_versions + 1))

@@ -193,3 +193,17 @@ async def test_requests_report_the_versions_the_engine_ran_while_they_were_in_fl
         pass
     assert (across, held, after) == ({0, 1}, {1}, {1})
     await engine.shutdown()
+
+
+async def test_an_update_that_keeps_the_hold_never_reopens_admission_in_between(engine, store):
+    """update(resume=false) with no hold before it (the sync entering a window without a stop):
+    the engine is paused for the load and stays paused until the start; reopening admission
+    between the load and the hold would let engine steps run unprofiled on the new weights."""
+    await engine.update_weights(1, str(store.root), resume=False)
+    assert engine.names() == ["pause", "load"]
+    assert engine.status().paused and engine.weight_version == 1
+    await engine.update_weights(2, str(store.root), resume=True)
+    assert engine.names() == ["pause", "load", "load", "resume"] and not engine.status().paused
+    await engine.update_weights(3, str(store.root), resume=True)
+    assert engine.names()[-3:] == ["pause", "load", "resume"]
+    await engine.shutdown()
