@@ -12,7 +12,6 @@ page, the rules that tie keys together included, is written by hand.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,12 +22,17 @@ from pydantic import BaseModel
 from pydantic.json_schema import GenerateJsonSchema, NoDefault
 from pydantic_core import core_schema
 
+from tools.generated_page import GeneratedPage
 from tools.schema_tables import cell, fields_table, ref_closure, ref_name, undocumented
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
-REGENERATE = "python -m tools.config_doc"
-BEGIN = f"<!-- BEGIN GENERATED CONFIG REFERENCE: `{REGENERATE}` writes this part; do not edit it by hand -->"
-END = "<!-- END GENERATED CONFIG REFERENCE -->"
+PAGE = GeneratedPage(
+    doc=Path(__file__).resolve().parents[1] / "docs" / "configuration.md",
+    regenerate="python -m tools.config_doc",
+    what="the config models",
+    label="CONFIG REFERENCE",
+)
+DOC, REGENERATE, BEGIN, END = PAGE.doc, PAGE.regenerate, PAGE.begin, PAGE.end
+splice = PAGE.splice
 
 
 @dataclass(frozen=True)
@@ -192,32 +196,9 @@ def undocumented_fields(schemas: dict[str, dict[str, Any]] | None = None) -> lis
     return missing
 
 
-def splice(page: str, reference: str) -> str:
-    """`page` with the text between the markers replaced by `reference`."""
-    head, sep, rest = page.partition(BEGIN)
-    _, sep2, tail = rest.partition(END)
-    if not sep or not sep2:
-        raise ValueError(f"the page has no {BEGIN!r} ... {END!r} block")
-    return f"{head}{BEGIN}\n\n{reference}\n{END}{tail}"
-
-
 def main(argv: list[str] | None = None) -> int:
-    """Write (or with --check, verify) the generated part of docs/configuration.md."""
-    parser = argparse.ArgumentParser(prog="python -m tools.config_doc", description=__doc__.split("\n")[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if the page is out of date")
-    parser.add_argument("--doc", type=Path, default=DOC, help="the page to update (default: %(default)s)")
-    args = parser.parse_args(argv)
-    page = args.doc.read_text()
-    fresh = splice(page, render_reference(build_schemas()))
-    if args.check:
-        if fresh != page:
-            print(f"{args.doc} is out of date with the config models; regenerate it: {REGENERATE}", file=sys.stderr)
-            return 1
-        return 0
-    if fresh != page:
-        args.doc.write_text(fresh)
-        print(f"updated {args.doc}")
-    return 0
+    """Write (or with --check, verify) the generated part of the page."""
+    return PAGE.main(lambda: render_reference(build_schemas()), argv, __doc__.split("\n")[0])
 
 
 if __name__ == "__main__":

@@ -11,20 +11,24 @@ generated; the rest of the page is written by hand.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tools.generated_page import GeneratedPage
 from tools.schema_tables import cell, fields_table, markdown_type, ref_closure, ref_name
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "http_api.md"
-REGENERATE = "python -m tools.openapi_doc"
-BEGIN = f"<!-- BEGIN GENERATED ROUTE REFERENCE: `{REGENERATE}` writes this part; do not edit it by hand -->"
-END = "<!-- END GENERATED ROUTE REFERENCE -->"
+PAGE = GeneratedPage(
+    doc=Path(__file__).resolve().parents[1] / "docs" / "http_api.md",
+    regenerate="python -m tools.openapi_doc",
+    what="the app's routes",
+    label="ROUTE REFERENCE",
+)
+DOC, REGENERATE, BEGIN, END = PAGE.doc, PAGE.regenerate, PAGE.begin, PAGE.end
+splice = PAGE.splice
 
 # FastAPI's default 422 model; the app's own handler answers {"detail": str, "errors": [...]}.
 _FASTAPI_VALIDATION = "HTTPValidationError"
@@ -136,32 +140,9 @@ def render_reference(spec: dict[str, Any]) -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
-def splice(page: str, reference: str) -> str:
-    """`page` with the text between the markers replaced by `reference`."""
-    head, sep, rest = page.partition(BEGIN)
-    _, sep2, tail = rest.partition(END)
-    if not sep or not sep2:
-        raise ValueError(f"the page has no {BEGIN!r} ... {END!r} block")
-    return f"{head}{BEGIN}\n\n{reference}\n{END}{tail}"
-
-
 def main(argv: list[str] | None = None) -> int:
-    """Write (or with --check, verify) the generated part of docs/http_api.md."""
-    parser = argparse.ArgumentParser(prog="python -m tools.openapi_doc", description=__doc__.split("\n")[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if the page is out of date")
-    parser.add_argument("--doc", type=Path, default=DOC, help="the page to update (default: %(default)s)")
-    args = parser.parse_args(argv)
-    page = args.doc.read_text()
-    fresh = splice(page, render_reference(build_openapi()))
-    if args.check:
-        if fresh != page:
-            print(f"{args.doc} is out of date with the app's routes; regenerate it: {REGENERATE}", file=sys.stderr)
-            return 1
-        return 0
-    if fresh != page:
-        args.doc.write_text(fresh)
-        print(f"updated {args.doc}")
-    return 0
+    """Write (or with --check, verify) the generated part of the page."""
+    return PAGE.main(lambda: render_reference(build_openapi()), argv, __doc__.split("\n")[0])
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ def configure(token: str | None) -> None:
     _token = token
 
 
-def require_control_token(authorization: str | None = Header(None)) -> None:
+async def require_control_token(authorization: str | None = Header(None)) -> None:
+    # async: FastAPI runs a plain-def dependency in its thread pool, a thread hop on every control call.
     if _token is None:
         return
     scheme, _, given = (authorization or "").partition(" ")
