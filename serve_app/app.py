@@ -98,7 +98,9 @@ def parse_args(args: dict[str, Any]) -> AppArgs:
 def build_app(args: dict[str, Any]) -> Application:
     """Ray Serve application builder: `args` is the `args:` block of config/serve.yaml."""
     cfg = parse_args(args)
-    placement: dict[str, Any] = {"max_replicas_per_node": cfg.max_replicas_per_node} if cfg.max_replicas_per_node else {}
+    placement: dict[str, Any] = (
+        {"max_replicas_per_node": cfg.max_replicas_per_node} if cfg.max_replicas_per_node else {}
+    )
     replicas = serve.deployment(
         name="RolloutReplica",
         num_replicas=cfg.num_replicas,
