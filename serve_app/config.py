@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from profiling.config import ProfileOptions, StrictModel
 from serve_app.engines.options import (
@@ -28,8 +28,6 @@ VLLM_MIN_HEAD_DIM = 32
 
 class AppArgs(StrictModel):
     """Field docstrings are the fields' documentation (docs/configuration.md is generated from them)."""
-
-    model_config = ConfigDict(use_attribute_docstrings=True)
 
     engine: EngineName = "transformers"
     """The engine each replica runs: transformers (embedded, on CPU), vllm or sglang."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import ConfigDict, Field
+from pydantic import Field
 
 from profiling.config import NpuOptions, ProfileOptions, StrictModel, Tool
 
@@ -17,8 +17,6 @@ EngineName = Literal["transformers", "vllm", "sglang"]
 
 class EngineOptions(StrictModel):
     """Base of the engine blocks. Field docstrings are the fields' documentation."""
-
-    model_config = ConfigDict(use_attribute_docstrings=True)
 
     engine: ClassVar[EngineName]
     implementation: ClassVar[str]
