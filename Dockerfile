@@ -1,7 +1,10 @@
 # GPU deployment image: the rollout app on vLLM, served by Ray Serve.
 #   docker build -t rollout-profiler .
 #   docker run --gpus all --shm-size 8g -p 8000:8000 \
+#     -e ROLLOUT_PROFILER_CONTROL_TOKEN="$(openssl rand -hex 24)" \
 #     -v /path/to/checkpoint:/models/policy:ro -v /path/to/data:/data rollout-profiler
+# The app listens on 0.0.0.0 inside the container, so it refuses to start without a control
+# token; config/serve.vllm-gpu.yaml reads it from ROLLOUT_PROFILER_CONTROL_TOKEN.
 # See docs/engines.md ("Docker").
 FROM vllm/vllm-openai:v0.33.0
 

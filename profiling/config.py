@@ -79,6 +79,12 @@ class NpuOptions(StrictModel):
     data_simplification: bool = Field(
         True, description="torch_npu _ExperimentalConfig data_simplification (drops intermediate data)."
     )
+    min_free_staging_mb: float = Field(
+        1024.0,
+        ge=0,
+        description="torch_npu writes its raw data in a staging directory under $TMPDIR first: a start "
+        "is refused when that disk has less free space than this (MiB).",
+    )
 
     @model_validator(mode="before")
     @classmethod

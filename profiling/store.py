@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import TypeVar
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from profiling.config import MAX_STEP, check_safe_name
 from profiling.manifest import ManifestEntry, MergeRecord, SessionRecord, StepManifest
@@ -31,11 +31,19 @@ MANIFEST_FILE = "manifest.json"
 MERGE_FILE = "merge.json"
 MERGED_TRACE = "merged.trace.json.gz"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+_STEP_RUN = re.compile(r"^step_\d+(\.replaced-[\w-]+)?$")
+"""A step's directory, or an earlier run of it moved aside."""
 M = TypeVar("M", bound=BaseModel)
 
 
 class StorageError(RuntimeError):
     """The save path cannot take traces (not writable, disk full). The message names the fix."""
+
+
+class CorruptRecord(StorageError, ValueError):
+    """A record under save_path (manifest, session, entry, merge) is not what this version wrote:
+    truncated, edited by hand, or from an incompatible version. The message names the file
+    relative to save_path and the fix."""
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -177,6 +185,16 @@ class TraceStore:
         src.rename(dst)
         return dst
 
+    def prune(self, keep: int) -> list[str]:
+        """Remove the step directories (runs moved aside included) beyond the `keep` most
+        recently written; returns the names removed, oldest first."""
+        runs = [p for p in self.root.iterdir() if p.is_dir() and _STEP_RUN.match(p.name)] if self.root.exists() else []
+        runs.sort(key=lambda p: p.stat().st_mtime, reverse=True)
+        removed = runs[max(0, keep) :][::-1]
+        for p in removed:
+            shutil.rmtree(p)
+        return [p.name for p in removed]
+
     def steps(self) -> list[int]:
         """Steps that have a directory under save_path, ascending (OSError if save_path is a
         file or unreadable: that is not the same as no steps)."""
@@ -188,6 +206,17 @@ class TraceStore:
 
 def _read_model(path: Path, model: type[M]) -> M | None:
     try:
-        return model.model_validate_json(path.read_text())
+        text = path.read_text()
     except (FileNotFoundError, NotADirectoryError):  # no such file (a parent may be a file)
         return None
+    try:
+        return model.model_validate_json(text)
+    except ValueError as e:  # invalid JSON or fields: pydantic's ValidationError is a ValueError
+        parts = path.parts
+        first = next((i for i in range(len(parts) - 1, -1, -1) if _STEP_DIR.match(parts[i])), len(parts) - 1)
+        where = "/".join(parts[first:])
+        detail = e.errors()[0]["msg"] if isinstance(e, ValidationError) else str(e).splitlines()[0]
+        raise CorruptRecord(
+            f"{where} under save_path is not a valid {model.__name__} ({detail}): move it aside "
+            "(or delete it) and refresh the step"
+        ) from e

@@ -13,11 +13,16 @@ from pydantic import BaseModel, Field, field_validator
 from profiling.config import MAX_STEP, Activity, SafeName, StepNumber, StrictModel, Tool
 from profiling.manifest import ManifestStatus
 
+MAX_WINDOW_STEPS = 10_000
+"""Most steps one continuous window may span."""
+
 
 class StartProfileRequest(StrictModel):
     step: StepNumber = Field(description="Step k: generation served with weights version k-1.")
     steps: list[StepNumber] | None = Field(
-        None, description="All steps of a continuous window labelled `step` (default: [step])."
+        None,
+        max_length=MAX_WINDOW_STEPS,
+        description="All steps of a continuous window labelled `step` (default: [step]).",
     )
     tool: Tool | None = None
     activities: list[Activity] | None = Field(None, min_length=1)

@@ -6,10 +6,12 @@ Every rule that ties two keys together is checked here, by the builder, so `serv
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from profiling.config import ProfileOptions, StrictModel
 from serve_app.engines.options import (
@@ -20,10 +22,14 @@ from serve_app.engines.options import (
     TransformersOptions,
     VllmOptions,
 )
+from serve_app.limits import RequestLimits, StartLimits
 from serve_app.tiny_model import TinyModelSpec
 
 VLLM_MIN_HEAD_DIM = 32
 """vLLM's CPU attention needs head_dim >= 32."""
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+MIN_TOKEN_CHARS = 16
+"""A control token is at least this long."""
 
 
 class AppArgs(StrictModel):
@@ -50,14 +56,26 @@ class AppArgs(StrictModel):
     received through the Ray object store."""
     max_replicas_per_node: int | None = Field(None, ge=1)
     """Spread replicas over nodes (Serve's max_replicas_per_node); null: no limit."""
+    keep_steps: int | None = Field(None, ge=1)
+    """Step directories kept under save_path, earlier runs moved aside included: a fresh start
+    removes the least recently written beyond it (logged). null: keep every step."""
     merge_on_complete: bool = True
     """Merge each complete or partial step into merged.trace.json.gz in the background."""
     weights_dir: str = "/tmp/rollout-profiler/weights"
     """/weights/update may only read paths inside this directory."""
-    control_token: str | None = None
-    """If set, /profile/* and /weights/* need 'Authorization: Bearer <token>'."""
+    control_token_env: str | None = None
+    """Name of an environment variable of the ingress's process holding the control token: then
+    /profile/* and /weights/* need 'Authorization: Bearer <token>'. The token itself is never in
+    the app's args (the Ray dashboard and `serve config` show them)."""
+    control_token_file: str | None = None
+    """A file, readable where the ingress runs, holding the control token (instead of
+    control_token_env)."""
     profiler: ProfileOptions = Field(default_factory=ProfileOptions)
     """The replicas' profiler settings; a /profile/start may override some of them."""
+    start_limits: StartLimits = Field(default_factory=StartLimits, validate_default=True)
+    """The most a /profile/start may ask for (422 above it)."""
+    request_limits: RequestLimits = Field(default_factory=RequestLimits)
+    """Bounds on generation requests (413, 422, 503 above them)."""
     model_path: str | None = None
     """HF checkpoint directory every replica loads; null builds the tiny Llama locally."""
     tiny_model: TinyModelSpec = Field(default_factory=TinyModelSpec)
@@ -83,6 +101,31 @@ class AppArgs(StrictModel):
     sglang: SglangOptions = Field(default_factory=SglangOptions)
     """Settings of engine: sglang (set only with that engine)."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_token_in_args(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "control_token" in data:
+            raise ValueError(
+                "control_token in the app's args would be shown by the Ray dashboard and `serve config`: "
+                "put the token in an environment variable of the ingress (control_token_env: NAME) or in "
+                "a file (control_token_file: PATH), and remove control_token"
+            )
+        return data
+
+    @field_validator("control_token_env")
+    @classmethod
+    def _env_name(cls, name: str | None) -> str | None:
+        if name is not None and not _ENV_NAME.fullmatch(name):
+            raise ValueError(f"{name!r} is not an environment variable name ([A-Za-z_][A-Za-z0-9_]*)")
+        return name
+
+    @field_validator("control_token_file")
+    @classmethod
+    def _one_token_source(cls, path: str | None, info: ValidationInfo) -> str | None:
+        if path is not None and info.data.get("control_token_env") is not None:
+            raise ValueError("set control_token_env or control_token_file, not both")
+        return path
+
     @field_validator("save_path", "weights_dir", "node_dir")
     @classmethod
     def _absolute(cls, v: str) -> str:
@@ -95,6 +138,13 @@ class AppArgs(StrictModel):
         if (engine := info.data.get("engine")) is not None:
             ENGINE_OPTIONS[engine].check_profiler(profiler, profiler)
         return profiler
+
+    @field_validator("start_limits")
+    @classmethod
+    def _profiler_within_limits(cls, limits: StartLimits, info: ValidationInfo) -> StartLimits:
+        if (profiler := info.data.get("profiler")) is not None and (problems := limits.problems(profiler)):
+            raise ValueError(f"the app's profiler settings exceed start_limits: {'; '.join(problems)}")
+        return limits
 
     @field_validator("tiny_model")
     @classmethod
@@ -128,6 +178,34 @@ class AppArgs(StrictModel):
                 "set num_replicas: 1, or url: null to launch a server per replica"
             )
         return options
+
+    def read_control_token(self) -> str | None:
+        """The control token from control_token_env or control_token_file, read where this runs
+        (None: neither is set). ValueError naming the source and the fix when it is missing,
+        unreadable or shorter than MIN_TOKEN_CHARS."""
+        if self.control_token_env is not None:
+            source = f"environment variable {self.control_token_env}"
+            token = os.environ.get(self.control_token_env)
+            if token is None:
+                raise ValueError(
+                    f"control_token_env names {self.control_token_env}, which is not set in this process's "
+                    "environment: export it where Ray starts (the shell of `serve run` or `ray start`)"
+                )
+        elif self.control_token_file is not None:
+            source = f"control_token_file {self.control_token_file}"
+            try:
+                token = Path(self.control_token_file).read_text()
+            except OSError as e:
+                raise ValueError(f"cannot read {source} ({e.strerror}): make it readable where the ingress runs") from e
+        else:
+            return None
+        token = token.strip()
+        if len(token) < MIN_TOKEN_CHARS:
+            raise ValueError(
+                f"the control token from {source} has {len(token)} characters; use at least {MIN_TOKEN_CHARS} "
+                "(e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`)"
+            )
+        return token
 
     @property
     def engine_options(self) -> EngineOptions:

@@ -7,10 +7,12 @@ desired state in its constructor: current weights, active step, admission hold.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import ray
 from ray import serve
@@ -24,6 +26,7 @@ from serve_app.desired_state import DesiredStateStore
 from serve_app.engines import create_engine
 from serve_app.engines.base import GenerateRequest
 from serve_app.reconcile import Reconciler
+from serve_app.redact import app_redactor
 from serve_app.trace_collection import ShippingTraceStore, node_local_dir
 from serve_app.weights import WeightsError
 from serve_app.weights_transfer import keep_only, materialize_weights
@@ -36,6 +39,7 @@ class RolloutReplica:
         ctx = serve.get_replica_context()
         self.replica_id = ctx.replica_tag
         self._args = args
+        self._redact = app_redactor(args)
         self._node_id = ray.get_runtime_context().get_node_id()
         self._node_dir = node_local_dir(args.node_dir, self._node_id)
         # The controller merges once every replica's export is in (one merge per step).
@@ -78,9 +82,9 @@ class RolloutReplica:
         if desired.paused:
             await self.engine.stop_profile(None, pause=True)
 
-    def _report(self, **fields) -> ReplicaReport:
+    def _report(self, **fields: Any) -> ReplicaReport:
         st = self.engine.status()
-        base = dict(
+        base: dict[str, Any] = dict(
             replica_id=self.replica_id,
             pid=os.getpid(),
             node_id=self._node_id,
@@ -92,15 +96,20 @@ class RolloutReplica:
             forward_steps_by_version=st.forward_steps_by_version,
         )
         base.update(fields)
+        if error := base.get("error"):  # the full text goes to the log, the answer names no server path
+            log.info("replica %s: %s", self.replica_id, error)
+            base["error"] = self._redact(str(error))
         return ReplicaReport(**base)
 
     # -- generation (load balanced) -----------------------------------------------------------
     async def complete(self, prompt: str | list[int], request: CompletionRequest, index: int) -> CompletionChoice:
         """One OpenAI completion choice for one prompt."""
         engine = self.engine
-        prompt_ids = engine.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        # Off the event loop: a long prompt must not stall control calls and health checks.
+        prompt_ids = await asyncio.to_thread(engine.tokenize, prompt) if isinstance(prompt, str) else list(prompt)
         if not prompt_ids:
             raise ValueError("prompt is empty after tokenization")
+        engine.check_fits(len(prompt_ids), request.max_tokens)
         result = await engine.generate(
             GenerateRequest(
                 prompt_token_ids=prompt_ids,

@@ -1,75 +1,214 @@
-"""Weight files: where a request may point, and reading them (safetensors only)."""
+"""Weight files: where a request may point, what one checkpoint is, its tensors as its
+safetensors headers describe them (no tensor data read), and reading them (safetensors only).
+
+A weights path names one checkpoint: a `.safetensors` file, or a directory holding either one
+`.safetensors` file or the shards of one sharded checkpoint as its one `*.safetensors.index.json`
+lists them (`weight_map`), with no other `.safetensors` file beside them. Other files (config,
+tokenizer) may sit beside it. Only regular files are opened, never blocking (a FIFO named like a
+checkpoint is refused, not read).
+
+Refusals are `WeightsError`s whose message names the cause and the fix with file names relative to
+the weights directory (or the checkpoint's own directory), never a server's absolute path; the log
+gets the full paths.
+"""
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import shutil
+import stat
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+log = logging.getLogger(__name__)
+
 StateDict = dict[str, torch.Tensor]
+
+SUFFIX = ".safetensors"
+INDEX_SUFFIX = ".safetensors.index.json"
+
+# safetensors refuses larger headers (its MAX_HEADER_SIZE); an index is a small JSON file too.
+_MAX_HEADER_BYTES = 100_000_000
+_MAX_INDEX_BYTES = 100_000_000
+# Bits per element of each safetensors dtype (safetensors 0.8).
+_DTYPE_BITS = {
+    "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8,
+    "F8_E8M0": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "I16": 16, "U16": 16, "F16": 16, "BF16": 16,
+    "I32": 32, "U32": 32, "F32": 32, "C64": 64, "F64": 64, "I64": 64, "U64": 64,
+}  # fmt: skip
+_SHOWN = 3  # names listed per kind of problem; the count says how many there are
+
+_ONE_CHECKPOINT = f"one {SUFFIX} file, or the shards of one sharded checkpoint with its {INDEX_SUFFIX}"
+_REWRITE = "write it again with safetensors (save_file, save_model or save_pretrained)"
 
 
 class WeightsError(ValueError):
     """A weights path a request gave cannot be used; the message says why and what to do."""
 
 
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor as a safetensors header describes it."""
+
+    dtype: str  # the safetensors name: "F32", "BF16", ...
+    shape: tuple[int, ...]
+
+
+# -- the request's path ----------------------------------------------------------------------------
+
+
 def resolve_weights_path(path: str, allowed_dir: str | os.PathLike) -> Path:
-    """The real path of `path`, which must lie inside `allowed_dir` and hold safetensors files."""
+    """The real path of the checkpoint `path` names: relative to `allowed_dir` or absolute inside
+    it (`~` is not expanded), one checkpoint (see the module's docstring), every file of it inside
+    `allowed_dir` (no link out of it) with a valid safetensors header that its file's size
+    matches. Messages name files relative to `allowed_dir`."""
     root = Path(allowed_dir).expanduser().resolve()
+    real: Path | None = None
     try:
-        candidate = Path(path).expanduser()
-        real = (candidate if candidate.is_absolute() else root / candidate).resolve()
+        candidate = Path(path)
+        lexical = Path(os.path.normpath(candidate if candidate.is_absolute() else root / candidate))
+        real = lexical.resolve()
         if not real.is_relative_to(root):
-            raise WeightsError(f"path {path!r} is outside the allowed weights directory {root}")
+            if lexical.is_relative_to(root):
+                raise WeightsError(
+                    f"{path!r} links outside the weights directory; "
+                    "copy the checkpoint into weights_dir instead of linking to it"
+                )
+            raise WeightsError(
+                f"{path!r} is outside the weights directory; give a path relative to weights_dir "
+                "or an absolute path inside it"
+            )
         if not real.exists():
-            raise WeightsError(f"path {path!r} does not exist (looked at {real})")
-        files = safetensors_files(real)
-    except WeightsError:
+            hint = (
+                "; '~' is not expanded: give a path relative to weights_dir or an absolute path inside it"
+                if path.startswith("~")
+                else "; write the checkpoint there first, or fix the path"
+            )
+            raise WeightsError(f"{_label(real, root)} does not exist in the weights directory{hint}")
+        ckpt = _locate(real, root)
+        for f in [*ckpt.files, *([ckpt.index] if ckpt.index else [])]:
+            if not f.resolve().is_relative_to(root):  # a link in an allowed directory
+                raise WeightsError(
+                    f"{_label(f, root)} links outside the weights directory; "
+                    "copy the file into weights_dir instead of linking to it"
+                )
+        _tensors(ckpt, root)
+    except WeightsError as e:
+        log.warning("weights path %r refused (weights_dir %s, resolved %s): %s", path, root, real, e)
         raise
     except (ValueError, OSError) as e:  # NUL bytes, names too long, unreadable directories
-        raise WeightsError(f"path {path!r} cannot be used: {e}") from e
-    if not files:
-        raise WeightsError(f"path {path!r} holds no .safetensors file")
-    for f in files:
-        if not f.resolve().is_relative_to(root):  # a link in an allowed directory
-            raise WeightsError(f"{f.name} in {path!r} links outside the allowed weights directory {root}")
-        try:
-            with safe_open(str(f), framework="pt"):
-                pass
-        except (SafetensorError, OSError) as e:
-            raise WeightsError(f"{f.name} is not a readable safetensors file: {e}") from e
+        log.warning("weights path %r refused (weights_dir %s): %r", path, root, e)
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise WeightsError(f"{path!r} cannot be used: {reason}; give a path relative to weights_dir") from e
     return real
 
 
-def safetensors_files(path: Path) -> list[Path]:
-    """The .safetensors files of a file or directory path: regular files only (opening a FIFO
-    named like one would block its reader forever)."""
-    if path.is_file():
-        return [path] if path.suffix == ".safetensors" else []
-    return sorted(f for f in path.glob("*.safetensors") if f.is_file())
+# -- one checkpoint -----------------------------------------------------------------------------
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    """The safetensors files of the one checkpoint `path` names (a file, or a directory: see the
+    module's docstring), sorted; `WeightsError` if it names none or more than one."""
+    return _locate(path, _root_of(path)).files
+
+
+def read_header(path: Path) -> dict[str, TensorInfo]:
+    """The tensors of one safetensors file, from its header alone: the 8-byte length and the JSON
+    header are read, the tensor data is not (only the file's size is compared with the header's
+    offsets, as safetensors does). `WeightsError` if the file is not valid safetensors."""
+    return _read_header(path, path.name)
+
+
+def checkpoint_tensors(path: Path) -> dict[str, TensorInfo]:
+    """The tensors of the one checkpoint `path` names, from its headers alone; a sharded
+    checkpoint's shards must hold exactly what its index maps to them."""
+    root = _root_of(path)
+    return _tensors(_locate(path, root), root)
+
+
+def check_checkpoint(path: Path, reference: Path) -> None:
+    """Refuse, before any tensor is read, a checkpoint whose tensor names, dtypes or shapes differ
+    from `reference`'s (the served model: its directory, or its checkpoint file). Reads only the
+    safetensors headers of both, so it costs the same for a 1 GB or a 1 TB checkpoint.
+
+    `path` must be one checkpoint (see the module's docstring). For `reference` a directory's
+    index, else its `model.safetensors`, else its only `.safetensors` file is its checkpoint; a
+    served model with no safetensors checkpoint (e.g. only `.bin` files) is not compared (logged).
+    `WeightsError` names the missing, unexpected, wrong-dtype and wrong-shape tensors (the first
+    few of each, with counts), or what is wrong with either checkpoint."""
+    try:
+        new = checkpoint_tensors(path)
+    except WeightsError as e:
+        log.warning("checkpoint %s refused: %s", path, e)
+        raise
+    try:
+        ref_ckpt = _reference_checkpoint(reference)
+        if ref_ckpt is None:
+            log.warning("served model %s has no safetensors checkpoint: %s not compared with it", reference, path)
+            return
+        ref = _tensors(ref_ckpt, reference if reference.is_dir() else reference.parent)
+    except WeightsError as e:
+        log.error("the served model's checkpoint in %s cannot be read: %s", reference, e)
+        raise WeightsError(f"the served model's checkpoint cannot be compared with: {e}") from e
+    problems = _differences(new, ref)
+    if problems:
+        label = _label(path, _root_of(path)) + ("/" if path.is_dir() else "")
+        msg = (
+            f"{label} does not fit the served model: {'; '.join(problems)}. Fix: publish a checkpoint of "
+            "the model the app serves (the same tensor names, dtypes and shapes as its checkpoint)"
+        )
+        log.warning("checkpoint %s refused against %s: %s", path, reference, msg)
+        raise WeightsError(msg)
+
+
+def _differences(new: dict[str, TensorInfo], ref: dict[str, TensorInfo]) -> list[str]:
+    missing = sorted(ref.keys() - new.keys())
+    unexpected = sorted(new.keys() - ref.keys())
+    both = sorted(new.keys() & ref.keys())
+    dtype = [f"{k} is {new[k].dtype}, served {ref[k].dtype}" for k in both if new[k].dtype != ref[k].dtype]
+    shape = [f"{k} is {list(new[k].shape)}, served {list(ref[k].shape)}" for k in both if new[k].shape != ref[k].shape]
+    out = []
+    if missing:
+        out.append(f"{len(missing)} of the served model's {len(ref)} tensors missing ({_few(missing)})")
+    if unexpected:
+        out.append(f"{_n(len(unexpected), 'unexpected tensor')} ({_few(unexpected)})")
+    if dtype:
+        out.append(f"{_n(len(dtype), 'tensor')} of the wrong dtype ({_few(dtype)})")
+    if shape:
+        out.append(f"{_n(len(shape), 'tensor')} of the wrong shape ({_few(shape)})")
+    return out
+
+
+# -- reading and staging ------------------------------------------------------------------------
 
 
 def read_state_dict(path: Path) -> StateDict:
-    """All tensors of a safetensors file or directory, on CPU. A tensor in two files is an
-    error: which copy is meant is not knowable (a stale shard left beside a new checkpoint?)."""
+    """All tensors of the one checkpoint `path` names, on CPU. A tensor in two files is an error:
+    which copy is meant is not knowable."""
+    root = _root_of(path)
     state: StateDict = {}
     source: dict[str, str] = {}
-    for f in safetensors_files(path):
+    for f in checkpoint_files(path):
         try:
             shard = load_file(str(f))
         except (SafetensorError, OSError) as e:
-            raise WeightsError(f"{f.name} could not be read: {e}") from e
+            log.warning("reading %s failed: %r", f, e)
+            raise WeightsError(f"{_label(f, root)} could not be read: {e}; {_REWRITE}") from e
         if twice := sorted(shard.keys() & state.keys()):
             raise WeightsError(
-                f"tensor {twice[0]!r} is in both {source[twice[0]]} and {f.name} "
-                f"({len(twice)} tensors in both); keep one checkpoint per directory"
+                f"tensor {twice[0]!r} is in both {source[twice[0]]} and {_label(f, root)} "
+                f"({_n(len(twice), 'tensor')} in both); keep one checkpoint per directory"
             )
         state.update(shard)
-        source.update(dict.fromkeys(shard, f.name))
+        source.update(dict.fromkeys(shard, _label(f, root)))
     return state
 
 
@@ -83,3 +222,293 @@ def stage_weights(path: Path, staging: Path) -> Path:
     staging.mkdir(parents=True)
     os.symlink(path.resolve(), staging / "model.safetensors")
     return staging
+
+
+# -- internals ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Checkpoint:
+    files: list[Path]  # its safetensors files, sorted
+    index: Path | None = None  # a sharded checkpoint's index
+    weight_map: dict[str, str] | None = None  # the index's tensor name -> shard file name
+
+
+def _root_of(path: Path) -> Path:
+    """What messages name files relative to when no weights directory is known: the
+    checkpoint's parent (so a file is named by its name, a directory's file as `dir/file`)."""
+    return path.parent
+
+
+def _label(f: Path, root: Path) -> str:
+    """`f` relative to `root` (never an absolute path: its name if it is not inside)."""
+    try:
+        rel = f.relative_to(root).as_posix()
+    except ValueError:
+        return f.name
+    return "weights_dir itself" if rel == "." else rel
+
+
+def _n(count: int, noun: str) -> str:
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
+def _few(items: list[str]) -> str:
+    shown = ", ".join(items[:_SHOWN])
+    return shown if len(items) <= _SHOWN else f"{shown} and {len(items) - _SHOWN} more"
+
+
+def _is_regular(p: Path) -> bool:
+    """A regular file (links followed), found without opening it: a FIFO's open would block."""
+    try:
+        return stat.S_ISREG(p.stat().st_mode)
+    except OSError:
+        return False
+
+
+def _locate(path: Path, root: Path) -> _Checkpoint:
+    """The files of the one checkpoint `path` names; `WeightsError` unless it names exactly one."""
+    where = _label(path, root)
+    if path.is_dir():
+        return _locate_in_dir(path, root)
+    if not _is_regular(path):
+        raise WeightsError(
+            f"{where} is not a regular file or a directory; name a {SUFFIX} file or a directory holding "
+            f"{_ONE_CHECKPOINT}"
+        )
+    if path.name.endswith(INDEX_SUFFIX):
+        raise WeightsError(f"{where} is an index: name the directory holding it and its shards instead")
+    if not path.name.endswith(SUFFIX):
+        raise WeightsError(
+            f"{where} is not a {SUFFIX} file; name a {SUFFIX} file or a directory holding {_ONE_CHECKPOINT}"
+        )
+    return _Checkpoint([path])
+
+
+def _locate_in_dir(path: Path, root: Path) -> _Checkpoint:
+    where = _label(path, root)
+    names = sorted(os.listdir(path))
+    weights = [n for n in names if n.endswith(SUFFIX)]
+    indexes = [n for n in names if n.endswith(INDEX_SUFFIX)]
+    for n in weights + indexes:
+        if not _is_regular(path / n):
+            raise WeightsError(
+                f"{_label(path / n, root)} is not a regular file (a FIFO, a directory or a broken link?); "
+                "remove it or replace it with the file"
+            )
+    if len(indexes) > 1:
+        raise WeightsError(
+            f"{where} holds {len(indexes)} checkpoint indexes ({_few(indexes)}); keep one checkpoint per directory"
+        )
+    if indexes:
+        index = path / indexes[0]
+        weight_map = _read_index(index, root)
+        shards = sorted(set(weight_map.values()))
+        absent = [s for s in shards if s not in weights]
+        if absent:
+            raise WeightsError(
+                f"{_label(index, root)} lists {_n(len(absent), 'shard')} missing from {where} ({_few(absent)}); "
+                "copy every shard beside the index, or write the checkpoint again"
+            )
+        extra = [n for n in weights if n not in shards]
+        if extra:
+            raise WeightsError(
+                f"{where} holds {_n(len(extra), SUFFIX + ' file')} that {indexes[0]} does not list ({_few(extra)}); "
+                "remove them: keep one checkpoint per directory"
+            )
+        return _Checkpoint([path / s for s in shards], index, weight_map)
+    if not weights:
+        raise WeightsError(f"{where} holds no {SUFFIX} file; write the checkpoint there ({_ONE_CHECKPOINT})")
+    if len(weights) > 1:
+        raise WeightsError(
+            f"{where} holds {len(weights)} {SUFFIX} files ({_few(weights)}) and no {INDEX_SUFFIX}: which "
+            "checkpoint is meant is not knowable; keep one checkpoint per directory (name a file to load "
+            "one of them; a sharded checkpoint needs its index)"
+        )
+    return _Checkpoint([path / weights[0]])
+
+
+def _reference_checkpoint(reference: Path) -> _Checkpoint | None:
+    """The served model's checkpoint, leniently (a model directory may carry a second copy, e.g.
+    `consolidated.safetensors` beside the shards): `model.safetensors.index.json` or its only
+    index, else `model.safetensors` or its only safetensors file; None when it has none."""
+    if not reference.is_dir():
+        return _Checkpoint([reference])
+    indexes = sorted(p.name for p in reference.glob("*" + INDEX_SUFFIX) if _is_regular(p))
+    weights = sorted(p.name for p in reference.glob("*" + SUFFIX) if _is_regular(p))
+    for found, preferred in ((indexes, "model" + INDEX_SUFFIX), (weights, "model" + SUFFIX)):
+        chosen = preferred if preferred in found else found[0] if len(found) == 1 else None
+        if chosen is None and found:
+            raise WeightsError(
+                f"the served model's directory holds {len(found)} checkpoints ({_few(found)}): which one "
+                "is its checkpoint is not knowable; serve a model directory with one checkpoint"
+            )
+        if chosen is not None and found is indexes:
+            weight_map = _read_index(reference / chosen, reference)
+            return _Checkpoint(
+                [reference / s for s in sorted(set(weight_map.values()))], reference / chosen, weight_map
+            )
+        if chosen is not None:
+            return _Checkpoint([reference / chosen])
+    return None
+
+
+def _read_index(index: Path, root: Path) -> dict[str, str]:
+    """`weight_map` of a sharded checkpoint's index: tensor name -> shard file name."""
+    where = _label(index, root)
+    with _open_regular(index, where) as (fd, size):
+        if size > _MAX_INDEX_BYTES:
+            raise WeightsError(f"{where} is {size} bytes, too large for an index; write the index again")
+        raw = _pread(fd, size, 0, where)
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError) as e:
+        raise WeightsError(f"{where} is not JSON ({_short(e)}); write the index again") from e
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise WeightsError(f"{where} has no weight_map (tensor name -> shard file); write the index again")
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str) or not shard.endswith(SUFFIX) or shard != Path(shard).name:
+            raise WeightsError(
+                f"{where} maps tensor {name!r} to {shard!r}, not a {SUFFIX} file beside the index; "
+                "write the index again"
+            )
+    return weight_map
+
+
+def _tensors(ckpt: _Checkpoint, root: Path) -> dict[str, TensorInfo]:
+    """The tensors of a checkpoint, from its headers; with an index, each shard must hold exactly
+    the tensors the index maps to it."""
+    headers = {f.name: _read_header(f, _label(f, root)) for f in ckpt.files}
+    if ckpt.index is not None and ckpt.weight_map is not None:
+        wm = ckpt.weight_map
+        absent = [f"{t} (in {s})" for t, s in sorted(wm.items()) if t not in headers[s]]
+        stray = [f"{t} (in {s})" for s, h in sorted(headers.items()) for t in sorted(h) if wm.get(t) != s]
+        if absent or stray:
+            parts = [f"{_n(len(absent), 'tensor')} it maps not in its shard ({_few(absent)})"] if absent else []
+            if stray:
+                parts.append(f"{_n(len(stray), 'tensor')} in a shard it does not map it to ({_few(stray)})")
+            raise WeightsError(
+                f"{_label(ckpt.index, root)} does not match its shards: {'; '.join(parts)}; write the "
+                "checkpoint again with its index (save_pretrained), one checkpoint per directory"
+            )
+    return {t: info for h in headers.values() for t, info in h.items()}
+
+
+@contextmanager
+def _open_regular(p: Path, where: str) -> Iterator[tuple[int, int]]:
+    """(fd, size) of the regular file `p`: opened without blocking (O_NONBLOCK: a FIFO put there
+    after a check does not block the open) and checked before anything is read."""
+    try:
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise WeightsError(f"{where} cannot be opened: {e.strerror or e}") from e
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise WeightsError(f"{where} is not a regular file; replace it with the file")
+        yield fd, st.st_size
+    finally:
+        os.close(fd)
+
+
+def _pread(fd: int, length: int, offset: int, where: str) -> bytes:
+    chunks: list[bytes] = []
+    got = 0
+    while got < length:
+        chunk = os.pread(fd, length - got, offset + got)
+        if not chunk:
+            raise WeightsError(f"{where} shrank while it was read; write it completely, then update")
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+def _read_header(p: Path, where: str) -> dict[str, TensorInfo]:
+    """The tensors of the safetensors file `p`: its 8-byte header length and JSON header are
+    read, its tensor data is not; the file's size must be what the header's offsets add up to."""
+
+    def bad(reason: str, fix: str = _REWRITE) -> WeightsError:
+        return WeightsError(f"{where} is not a readable safetensors file: {reason}; {fix}")
+
+    with _open_regular(p, where) as (fd, size):
+        if size < 8:
+            raise bad(f"it holds {size} bytes, fewer than the 8-byte header length")
+        n = int.from_bytes(_pread(fd, 8, 0, where), "little")
+        if n > _MAX_HEADER_BYTES:
+            raise bad(f"its header length reads {n} bytes, more than safetensors allows (not safetensors?)")
+        if 8 + n > size:
+            raise bad(f"its header length reads {n} bytes but only {size - 8} follow (cut short, or not safetensors?)")
+        raw = _pread(fd, n, 8, where)
+    try:
+        doc = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+    except (ValueError, RecursionError) as e:
+        raise bad(f"its header is not JSON ({_short(e)})") from e
+    if not isinstance(doc, dict):
+        raise bad("its header is not a JSON object")
+    out: dict[str, TensorInfo] = {}
+    spans: list[tuple[int, int, str]] = []
+    for name, entry in doc.items():
+        if name == "__metadata__":
+            if not isinstance(entry, dict) or not all(isinstance(v, str) for v in entry.values()):
+                raise bad("its __metadata__ is not a map of strings")
+            continue
+        problem, info, begin, end = _entry(name, entry)
+        if problem or info is None:
+            raise bad(problem)
+        out[name] = info
+        spans.append((begin, end, name))
+    at = 0
+    for begin, end, name in sorted(spans):
+        if begin != at:
+            raise bad(f"tensor {name!r} starts at byte {begin} of the data, not {at} (overlap or gap)")
+        at = end
+    data = size - 8 - n
+    if at > data:
+        raise bad(
+            f"its tensor data is cut short: the header describes {at} bytes, the file holds {data}",
+            "copy the whole file (an unfinished copy or write?)",
+        )
+    if at < data:
+        raise bad(f"it holds {data - at} bytes after its last tensor")
+    return out
+
+
+def _entry(name: str, entry: object) -> tuple[str, TensorInfo | None, int, int]:
+    """(problem, info, begin, end) of one header entry; problem is "" when it is valid."""
+    if not isinstance(entry, dict):
+        return f"tensor {name!r} is described by {type(entry).__name__}, not an object", None, 0, 0
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in _DTYPE_BITS:
+        return f"tensor {name!r} has an unknown dtype {dtype!r}", None, 0, 0
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        return f"tensor {name!r} has an invalid shape {shape!r}", None, 0, 0
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(type(o) is int for o in offsets)
+        or not 0 <= offsets[0] <= offsets[1]
+    ):
+        return f"tensor {name!r} has invalid data_offsets {offsets!r}", None, 0, 0
+    bits = _DTYPE_BITS[dtype]
+    for d in shape:
+        bits *= d
+    if bits % 8 or bits // 8 != offsets[1] - offsets[0]:
+        span = offsets[1] - offsets[0]
+        return f"tensor {name!r} ({dtype} {shape}) takes {bits / 8:g} bytes, its data_offsets {span}", None, 0, 0
+    return "", TensorInfo(dtype, tuple(shape)), offsets[0], offsets[1]
+
+
+def _no_duplicates(pairs: Iterable[tuple[str, object]]) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"key {k!r} twice")
+        out[k] = v
+    return out
+
+
+def _short(e: BaseException) -> str:
+    if isinstance(e, json.JSONDecodeError):
+        return f"{e.msg} at byte {e.pos}"
+    return str(e)[:200] or type(e).__name__

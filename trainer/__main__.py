@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -12,6 +13,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from profiling.backends.torch_profiler import QUIET_KINETO_ENV, init_kineto
 from profiling.manifest import StepManifest
 from profiling.schedule import StepSchedule
 from profiling.store import TraceStore
@@ -31,6 +33,7 @@ def main(
 ) -> None:
     """Run the fully-async RL loop with profiled weight syncs; extra KEY.PATH=VALUE override config keys."""
     logging.basicConfig(level=logging.WARNING)
+    _quiet_native_logs()
     try:
         cfg = load_config(config, ctx.args)
         result, manifests, report = asyncio.run(_run(cfg))
@@ -56,6 +59,17 @@ def main(
         raise typer.Exit(1)
 
 
+def _quiet_native_logs() -> None:
+    """Keep torch.profiler's native lines that look like failures out of the job's output (on the
+    main thread, before anything profiles): Kineto's USDT probe lines (QUIET_KINETO_ENV, which
+    the local cluster passes on to Ray's processes), and its thread-check ERROR, by initialising
+    Kineto here, on the thread that imported torch, instead of at the first start on the model
+    thread (init_kineto)."""
+    for key, value in QUIET_KINETO_ENV.items():
+        os.environ.setdefault(key, value)
+    init_kineto()
+
+
 async def _run(
     cfg: TrainerConfig,
 ) -> tuple[RunResult, dict[int, StepManifest | None], tuple[Path, list[str]] | None]:
@@ -77,7 +91,7 @@ async def _run(
                     },
                 )
             )
-            url, model_dir, token = app.base_url, app.model_dir, app.args.get("control_token")
+            url, model_dir, token = app.base_url, app.model_dir, app.control_token
         if model_dir is None:
             raise ConfigError("trainer.model_path is required with rollout.url (the app's initial weights)")
         progress = Progress(

@@ -18,19 +18,28 @@ class LocalApp(BaseModel):
     base_url: str
     model_dir: str
     args: dict[str, Any]
+    control_token: str | None
+    """The app's control token, read as its ingress reads it (None: the app has none)."""
 
 
 @contextlib.contextmanager
 def local_cluster(num_cpus: int | None = None) -> Iterator[int]:
     """A fresh local Ray with Serve's HTTP proxy on a free loopback port (yielded). Uses
     address='local', so a stale cluster left by a killed head is never dialled; shuts both
-    down on exit so no process outlives the caller."""
+    down on exit so no process outlives the caller.
+
+    Ray's processes (the replicas among them) inherit the environment of `ray.init`: it carries
+    QUIET_KINETO_ENV's defaults, so the replicas' profilers print no Kineto probe lines."""
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # bind 127.0.0.1
     import ray
     from ray import serve
+    from ray.serve.context import _set_global_client
 
+    from profiling.backends.torch_profiler import QUIET_KINETO_ENV
     from serve_app.net import free_port
 
+    for key, value in QUIET_KINETO_ENV.items():
+        os.environ.setdefault(key, value)
     ray.init(
         address="local",
         num_cpus=num_cpus or max(4, os.cpu_count() or 1),
@@ -42,8 +51,23 @@ def local_cluster(num_cpus: int | None = None) -> Iterator[int]:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         yield port
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        try:
+            _delete_apps()
+        finally:
+            ray.shutdown()  # Serve's controller and proxy go down with the private cluster
+            _set_global_client(None)  # and the handle to the controller, as serve.shutdown() drops it
+
+
+def _delete_apps() -> None:
+    """Delete every Serve application (each replica shuts down gracefully: engine, exports) and
+    leave Serve's controller and proxy to `ray.shutdown()`. Not `serve.shutdown()`: its
+    `graceful_shutdown` call returns only by failing when the controller kills itself, and as that
+    actor retries its tasks forever, Ray prints `Task ServeController.graceful_shutdown failed ...
+    will be retried` at every exit."""
+    from ray import serve
+
+    for name in serve.status().applications:  # none if Serve never started
+        serve.delete(name)
 
 
 def run_app(port: int, name: str, args: dict[str, Any], route_prefix: str = "/") -> str:
@@ -78,4 +102,6 @@ def local_rollout_app(serve_config: str | Path, overrides: dict[str, Any]) -> It
     name = spec.get("name", "rollout")
     with local_cluster() as port:
         base_url = run_app(port, name, args)
-        yield LocalApp(name=name, base_url=base_url, model_dir=model_dir, args=args)
+        yield LocalApp(
+            name=name, base_url=base_url, model_dir=model_dir, args=args, control_token=parsed.read_control_token()
+        )

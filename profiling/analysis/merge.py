@@ -157,6 +157,7 @@ def merge_manifest(
     inputs, skipped = find_inputs(step_dir, manifest)
     out = step_dir / MERGED_TRACE
     tmp = step_dir / f".{MERGED_TRACE}.{os.getpid()}.tmp"
+    check_merge_room(inputs, step_dir, Path(spool_dir or tempfile.gettempdir()))
     spools = Path(tempfile.mkdtemp(prefix="merge-", dir=spool_dir))
     try:
         spooled: list[_Spooled] = []
@@ -184,6 +185,30 @@ def merge_manifest(
         processes=[s.alignment for s in spooled],
         skipped=skipped,
     )
+
+
+GZIP_RATIO = 12
+"""How much larger a gzipped Chrome trace is as JSON lines (a generous estimate: 5 to 10 seen)."""
+
+
+def check_merge_room(inputs: list[TraceInput], step_dir: Path, spool_dir: Path) -> None:
+    """OSError naming both directories, their free space and the need, when the spools (about
+    the inputs' JSON) or the output (about the inputs' size) would not fit: the merge is then
+    not attempted, and its record says the merged timeline was not written."""
+    json_bytes = sum(i.size * (GZIP_RATIO if i.path.name.endswith(".gz") else 1) for i in inputs)
+    out_bytes = sum(i.size for i in inputs)
+    needs = {spool_dir: json_bytes, step_dir: out_bytes}
+    if spool_dir.exists() and step_dir.exists() and os.stat(spool_dir).st_dev == os.stat(step_dir).st_dev:
+        needs = {step_dir: json_bytes + out_bytes}
+    for where, need in needs.items():
+        free = shutil.disk_usage(where).free
+        if free < need:
+            role = "the spools" if where == spool_dir else "the merged timeline"
+            raise OSError(
+                f"not merged: {where.name or where} has {free / 2**20:.0f} MiB free and {role} need about "
+                f"{need / 2**20:.0f} MiB; the step's traces are intact, only merged.trace.json.gz is not "
+                "written: free disk space (or point TMPDIR elsewhere) and run `python -m profiling merge`"
+            )
 
 
 def _spool(

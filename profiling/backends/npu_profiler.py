@@ -121,6 +121,14 @@ class NpuProfilerBackend(ProfilerBackend):
         tp = self._torch_npu.profiler
         experimental, kwargs = profile_kwargs(self.options, self._torch_npu)
         analyse = self.options.npu.analysis
+        temp = Path(tempfile.gettempdir())
+        free_mb = shutil.disk_usage(temp).free / 2**20
+        if free_mb < self.options.npu.min_free_staging_mb:
+            raise RuntimeError(
+                f"not started: the staging directory ($TMPDIR, {temp.name}) has {free_mb:.0f} MiB free, below "
+                f"profiler.npu.min_free_staging_mb={self.options.npu.min_free_staging_mb:.0f}; torch_npu's raw "
+                "data would not fit: free disk space or point TMPDIR at a larger disk"
+            )
         staging = Path(tempfile.mkdtemp(prefix="npu-profile-"))
         try:
             prof = tp.profile(

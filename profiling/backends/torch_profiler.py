@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import gzip
 import os
 import shutil
@@ -21,6 +22,29 @@ GZIP_LEVEL = 1
 """torch's own `.gz` export compresses at level 9: about 7x slower than level 1 for a trace
 only ~25% smaller, and export speed bounds how fast steps can be profiled back to back."""
 _ACTIVITIES = {"cpu": ProfilerActivity.CPU, "cuda": ProfilerActivity.CUDA}
+QUIET_KINETO_ENV = {"KINETO_LOG_LEVEL": "6"}
+"""Environment defaults that keep Kineto's (torch.profiler's engine's) probe lines out of stderr:
+it prints `USDT:... SyncActivityProfilerHandler.cpp:...] profiler_start` (and `profiler_stop`) at
+every recording's start and stop, at its level USDT (5), above ERROR (4), where torch leaves
+Kineto. Level 6 hides them, and Kineto's own ERROR lines with them (a recording that fails still
+shows: its manifest entry is not ok). Kineto reads the variable when it initialises (a process's
+first profiler start): set it with `os.environ.setdefault` (a KINETO_LOG_LEVEL already set wins)
+in the process, and in the environment of the processes it starts."""
+
+
+@functools.cache
+def init_kineto() -> None:
+    """Initialise Kineto on this thread with an empty recording (about 1 s on CPU, once per
+    process, otherwise paid by the first profiled step's start). Call it on the thread that
+    imported torch (a process's main thread) before a profiler starts on another thread.
+
+    Loading torch registers its client with Kineto on the loading thread; Kineto initialises at
+    the first profiler start and, when that start is on another thread (the trainer's model
+    thread), prints `ERROR: External init callback must run in same thread as registerClient`:
+    harmless (torch's client has nothing to initialise), but it reads as a failure."""
+    if torch.autograd.kineto_available():
+        with profile(activities=[ProfilerActivity.CPU]):
+            pass
 
 
 class TorchRecordedTrace(RecordedTrace):

@@ -11,6 +11,7 @@ instead of failing the whole call.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Any
 
@@ -20,6 +21,8 @@ from ray.serve.handle import DeploymentHandle
 from serve_app.api import UNKNOWN_REPLICA, ReplicaReport
 from serve_app.desired_state import DesiredState, DesiredStateStore
 from serve_app.metrics import CONTROL_ERRORS
+
+log = logging.getLogger(__name__)
 
 
 async def broadcast(
@@ -89,14 +92,20 @@ def _missing(expected: set[str] | None, why: str) -> list[ReplicaReport]:
 class Fleet:
     """The rollout replicas as the control plane sees them. One per ingress."""
 
-    def __init__(self, replicas: DeploymentHandle, desired: DesiredStateStore, control_timeout_s: float):
+    def __init__(
+        self, replicas: DeploymentHandle, desired: DesiredStateStore, *, control_timeout_s: float, hold_timeout_s: float
+    ):
         self.replicas = replicas
         self.lock = asyncio.Lock()
         """Held for the whole of each start, stop and weight update."""
         self._desired = desired
         self._timeout_s = control_timeout_s
+        self._hold_timeout_s = hold_timeout_s
+        self._hold_timer: asyncio.TimerHandle | None = None
         self._state: DesiredState | None = None
         self._known: set[str] = set()
+        self.changes = 0
+        """Counts publications of the desired state: a status read before the last one is stale."""
 
     async def desired(self) -> DesiredState:
         """The desired state; this controller is its only writer, so it is read once."""
@@ -113,7 +122,28 @@ class Fleet:
         elif state.active is None:
             state.active_since = None
         self._state = state
+        self.changes += 1
+        self._track_hold(state.paused)
         await self._desired.set(state)
+
+    def _track_hold(self, paused: bool) -> None:
+        """The replicas' admission hold ends after hold_timeout_s however often it is asked for
+        again; so does the desired state's, or a replica that restarts later would hold again."""
+        if not paused and self._hold_timer is not None:
+            self._hold_timer.cancel()
+            self._hold_timer = None
+        elif paused and self._hold_timer is None:
+            self._hold_timer = asyncio.get_running_loop().call_later(
+                self._hold_timeout_s, lambda: asyncio.ensure_future(self._hold_expired())
+            )
+
+    async def _hold_expired(self) -> None:
+        async with self.lock:
+            self._hold_timer = None
+            state = await self.desired()
+            if state.paused:
+                log.warning("admission hold expired without a weight update or start; the app no longer holds")
+                await self.publish(state.model_copy(update={"paused": False}))
 
     async def set_weights_refs(self, refs: list[Any]) -> None:
         """Keep the object-store ref of the served weights where joining replicas find it."""

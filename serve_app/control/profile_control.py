@@ -33,6 +33,8 @@ class ProfileControl:
         self._args = args
         self._watchdog: asyncio.Task[None] | None = None
         self._exporting: set[int] = set()  # stopped steps whose traces are still being written
+        self._last_status: tuple[float, int, StatusResponse] | None = None
+        """When the last status was read, the fleet's change count then, and the status."""
         EXPORTING_STEPS.set_function(lambda: len(self._exporting))
 
     async def recover(self) -> None:
@@ -43,6 +45,8 @@ class ProfileControl:
         if desired.active is not None:
             log.info("recovered active step %s from the desired state", desired.active.step)
             self._arm_watchdog(desired.active, since=desired.active_since)
+        if desired.paused:  # its hold timer went with the old controller
+            await self._fleet.publish(desired)
 
     # -- /profile/start -------------------------------------------------------------------
     async def start(self, req: StartProfileRequest) -> StartProfileResponse:
@@ -56,9 +60,11 @@ class ProfileControl:
                 raise Conflict(f"step {desired.active.step} is being profiled; stop it before starting step {req.step}")
             if desired.active is not None:  # the active step again: idempotent, joins replicas that missed it
                 return await self._join(desired.active)
+            options = self._args.profiler.merged(**req.model_dump(exclude={"step", "steps", "tag"}, exclude_none=True))
+            if problems := self._args.start_limits.problems(options):
+                raise Refused("; ".join(problems) + ": ask for less, or raise the app's start_limits")
             self._check_export_backlog(req.step)
             await self._records.prepare(req.step)
-            options = self._args.profiler.merged(**req.model_dump(exclude={"step", "steps", "tag"}, exclude_none=True))
             spec = SessionSpec(step=req.step, steps=steps, options=options, tag=req.tag)
             record = SessionRecord(
                 step=spec.step, steps=spec.steps, tool=options.tool, tag=spec.tag, options=options, started_at=time.time()
@@ -172,10 +178,20 @@ class ProfileControl:
         self._records.exported(step, failed)
 
     # -- /profile/status ------------------------------------------------------------------
+    async def recent_status(self, max_age_s: float, timeout_s: float | None = None) -> StatusResponse:
+        """A status at most `max_age_s` old and read since the last start, stop or weight update:
+        one broadcast serves every caller in that time."""
+        if self._last_status is not None:
+            read_at, changes, cached = self._last_status
+            if changes == self._fleet.changes and time.monotonic() - read_at <= max_age_s:
+                return cached
+        return await self.status(timeout_s)
+
     async def status(self, timeout_s: float | None = None) -> StatusResponse:
+        changes = self._fleet.changes  # before the broadcast: a change during it makes this stale
         desired = await self._fleet.desired()
         reports = await self._fleet.broadcast("status", timeout_s=timeout_s)
-        return StatusResponse(
+        response = StatusResponse(
             state="profiling" if desired.active else "idle",
             active_step=desired.active.step if desired.active else None,
             steps=desired.active.steps if desired.active else [],
@@ -183,3 +199,5 @@ class ProfileControl:
             paused=desired.paused,
             replicas=reports,
         )
+        self._last_status = (time.monotonic(), changes, response)
+        return response

@@ -36,9 +36,10 @@ class _Unrecorded:
 
 
 class StepRecords:
-    def __init__(self, store: TraceStore, min_free_disk_mb: float):
+    def __init__(self, store: TraceStore, min_free_disk_mb: float, keep_steps: int | None = None):
         self.store = store
         self._min_free_disk_mb = min_free_disk_mb
+        self._keep_steps = keep_steps
         self._books = asyncio.Lock()  # FIFO: session/manifest writes happen in call order
         self._unrecorded: dict[int, _Unrecorded] = {}
         self._background: set[asyncio.Future[None]] = set()
@@ -52,20 +53,25 @@ class StepRecords:
     # -- a start --------------------------------------------------------------------------------
     async def prepare(self, step: int) -> None:
         """Before a fresh start of `step`: save_path must be writable with min_free_disk_mb
-        free (else 507), and an earlier run of the same step number is moved aside."""
+        free (else 507), an earlier run of the same step number is moved aside, and with
+        keep_steps the oldest step directories beyond it are removed."""
 
-        def prepare() -> Path | None:
+        def prepare() -> tuple[Path | None, list[str]]:
             self.store.check_writable(self._min_free_disk_mb)
-            return self.store.set_aside(step)
+            moved = self.store.set_aside(step)
+            removed = self.store.prune(self._keep_steps - 1) if self._keep_steps is not None else []
+            return moved, removed
 
         try:
-            moved = await asyncio.to_thread(prepare)
+            moved, removed = await asyncio.to_thread(prepare)
         except StorageError as e:
             raise InsufficientStorage(str(e)) from e
         except OSError as e:
-            raise InsufficientStorage(f"cannot move step {step}'s earlier traces aside: {e}") from e
+            raise InsufficientStorage(f"cannot make room for step {step} under save_path: {e}") from e
         if moved is not None:
             log.warning("step %s was recorded before under save_path; moved that run to %s", step, moved)
+        if removed:
+            log.warning("keep_steps=%s: removed %s from save_path", self._keep_steps, ", ".join(removed))
         self._unrecorded.pop(step, None)  # an earlier run of this step number no longer counts
 
     async def failed_start(self, step: int, record: SessionRecord) -> None:
@@ -128,7 +134,7 @@ class StepRecords:
             async with self._books:
                 try:
                     await asyncio.to_thread(write)
-                except OSError as e:
+                except (OSError, StorageError) as e:  # unwritable, full, or a corrupt record
                     log.error("could not record step %s under %s: %s", step, self.store.root, e)
                     unrecorded = self._unrecorded.setdefault(step, _Unrecorded(error=str(e)))
                     unrecorded.error = str(e)
@@ -149,8 +155,10 @@ class StepRecords:
 
         try:
             summaries = await asyncio.to_thread(read)
+        except StorageError as e:  # a corrupt manifest: its message names the step
+            raise InsufficientStorage(str(e)) from e
         except OSError as e:
-            raise InsufficientStorage(f"save_path {self.store.root} cannot be read ({e}); check the disk it is on") from e
+            raise InsufficientStorage(f"save_path cannot be read ({e}); check the disk it is on") from e
         return StepsResponse(save_path=str(self.store.root), steps=summaries)
 
     async def step(self, k: int) -> StepManifest:
@@ -160,14 +168,16 @@ class StepRecords:
         if (unrecorded := self._unrecorded.get(k)) is not None:
             lost = "; ".join(f"{rid} ({why})" for rid, why in sorted(unrecorded.lost.items()))
             raise InsufficientStorage(
-                f"step {k} could not be recorded under save_path {self.store.root} ({unrecorded.error}): "
+                f"step {k} could not be recorded under save_path ({unrecorded.error}): "
                 f"its manifest is missing or out of date; replicas whose traces are lost: {lost or 'none reported'}. "
                 "Make save_path writable, with min_free_disk_mb free, before profiling again",
             )
         try:
             m = await asyncio.to_thread(self.store.read_manifest, k)
+        except StorageError as e:  # a corrupt manifest: its message names the step
+            raise InsufficientStorage(str(e)) from e
         except OSError as e:
-            raise InsufficientStorage(f"step {k}'s manifest cannot be read under {self.store.root} ({e})") from e
+            raise InsufficientStorage(f"step {k}'s manifest cannot be read ({e})") from e
         if m is None:
-            raise NotFound(f"no manifest for step {k} under {self.store.root}")
+            raise NotFound(f"no manifest for step {k} under save_path")
         return m

@@ -23,11 +23,11 @@ class WeightControl:
     async def update_weights(self, req: UpdateWeightsRequest) -> UpdateWeightsResponse:
         """Load the weights at `req.path` (inside weights_dir) as `req.version` on every replica."""
         async with self._fleet.lock, timed_call("update_weights"):
-            desired = await self._check_version(req.version)
             try:
                 path = str(resolve_weights_path(req.path, self._weights_dir))
             except WeightsError as e:
                 raise Refused(f"path: {e}") from e
+            desired = await self._check_version(req.version, path)
             reports = await self._fleet.broadcast("update_weights", req.version, path, req.resume)
             return await self._loaded(desired, req.version, req.resume, reports, path=path)
 
@@ -37,16 +37,21 @@ class WeightControl:
         """Load the state dict behind `refs[0]` (put in the object store by a trainer in the same
         Ray cluster) as `req.version` on every replica, on every node, without a shared disk."""
         async with self._fleet.lock, timed_call("update_weights"):
-            desired = await self._check_version(req.version)
+            desired = await self._check_version(req.version, None)
             if len(refs) != 1 or not isinstance(refs[0], ray.ObjectRef):
                 raise Refused("refs: pass [ray.put(state_dict)], a list holding one ObjectRef")
             reports = await self._fleet.broadcast("update_weights_in_cluster", req.version, refs, req.resume)
             return await self._loaded(desired, req.version, req.resume, reports, refs=refs)
 
-    async def _check_version(self, version: int) -> DesiredState:
+    async def _check_version(self, version: int, path: str | None) -> DesiredState:
+        """409 for an older version, and for the served version with other weights (`path`
+        None: weights through the object store, which cannot be compared): a version names one
+        set of weights, which replicas that join later load too."""
         desired = await self._fleet.desired()
         if version < desired.weight_version:
             raise Conflict(f"version {version} is older than the served version {desired.weight_version}")
+        if version == desired.weight_version and (path is None or path != desired.weights_path):
+            raise Conflict(f"version {version} is served already, from other weights; publish them as a new version")
         return desired
 
     async def _loaded(

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import threading
 import time
@@ -38,6 +39,7 @@ from serve_app.config import AppArgs
 from serve_app.engines.control_thread import ControlThread
 from serve_app.engines.options import ENGINE_OPTIONS
 from serve_app.engines.tokenizer import HfTokenizerMixin
+from serve_app.weights import check_checkpoint
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -89,8 +91,12 @@ class RolloutEngine(HfTokenizerMixin, ABC, Generic[W]):
     def __init__(self, *, args: AppArgs, model_dir: Path, session_factory: SessionFactory, trace_dir: Path):
         """`trace_dir`: this replica's directory for files an engine's own profiler writes."""
         self.model_name = args.model_name
+        self.model_dir = model_dir
         self.trace_dir = trace_dir
         self.weight_version = 0
+        self.context_length: int | None = _max_positions(model_dir)
+        """Longest prompt + completion the engine takes, in tokens (None: unknown); `_open` may
+        narrow it (vLLM's max_model_len)."""
         self._options = ENGINE_OPTIONS[args.engine]
         self._built_profiler = args.profiler
         self._hold_timeout_s = args.hold_timeout_s
@@ -156,6 +162,14 @@ class RolloutEngine(HfTokenizerMixin, ABC, Generic[W]):
         return {}
 
     # -- generation --------------------------------------------------------------------------
+    def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
+        """ValueError (a 422 for the caller) when the prompt leaves no room for max_tokens."""
+        if self.context_length is not None and prompt_tokens + max_tokens > self.context_length:
+            raise ValueError(
+                f"the prompt has {prompt_tokens} tokens and max_tokens is {max_tokens}: together over the "
+                f"model's context of {self.context_length} tokens; shorten the prompt or lower max_tokens"
+            )
+
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         self.check_prompt(request.prompt_token_ids)
         return await self._generate(request)
@@ -224,7 +238,11 @@ class RolloutEngine(HfTokenizerMixin, ABC, Generic[W]):
         """Load `path` as `version` between engine steps; returns seconds spent. Afterwards
         admission is open if `resume`, else held until the next start (or the hold timeout)."""
         t0 = time.perf_counter()
-        weights = await self._read_weights(Path(path)) if path is not None and version != self.weight_version else None
+        weights = None
+        if path is not None and version != self.weight_version:
+            # Names, dtypes and shapes from the headers, before any tensor is read or the engine paused.
+            await asyncio.to_thread(check_checkpoint, Path(path), self.model_dir)
+            weights = await self._read_weights(Path(path))
         async with self._control:
             paused_here = False
             if weights is not None and version != self.weight_version:
@@ -303,13 +321,14 @@ class RolloutEngine(HfTokenizerMixin, ABC, Generic[W]):
             seen.add(self.weight_version)
 
     async def _hold(self) -> None:
-        """Admit no engine step until the next start or resuming update, or the hold timeout."""
-        if not self._held:
-            if not self._engine_paused:
-                await self._pause_engine()
-            self._held = True
-        if self._hold_timer is not None:
-            self._hold_timer.cancel()
+        """Admit no engine step until the next start or resuming update, or until hold_timeout_s
+        after the hold began: a stop or update while held keeps that deadline, so no caller can
+        stretch a hold by repeating them."""
+        if self._held:
+            return
+        if not self._engine_paused:
+            await self._pause_engine()
+        self._held = True
         self._hold_timer = asyncio.get_running_loop().call_later(
             self._hold_timeout_s, lambda: asyncio.ensure_future(self._hold_expired())
         )
@@ -327,3 +346,12 @@ class RolloutEngine(HfTokenizerMixin, ABC, Generic[W]):
         if self._held:
             await self._resume_engine()
             self._held = False
+
+
+def _max_positions(model_dir: Path) -> int | None:
+    """The checkpoint's context length (`max_position_embeddings` of its config.json), if it says."""
+    try:
+        value = json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings")
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, int) and value > 0 else None

@@ -106,6 +106,7 @@ class VllmEngine(RolloutEngine[Path]):
                 f"torchcodec`); import failed: {e}"
             ) from e
         opts = args.vllm
+        self.context_length = opts.max_model_len
         self.trace_dir.mkdir(parents=True, exist_ok=True)
         self._llm = AsyncLLM.from_engine_args(
             AsyncEngineArgs(

@@ -1,28 +1,83 @@
-"""Bearer-token guard for the control routes (/profile/*, /weights/*)."""
+"""Who may drive the app: the control token of /profile/* and /weights/*, and where requests may
+come from.
+
+* The token comes from an environment variable or a file named in the app's args
+  (`AppArgs.read_control_token`), never from the args themselves.
+* An app whose HTTP port listens beyond loopback refuses to start without a token: anyone who
+  reaches the port could otherwise ratchet the served version, hold generation or block the
+  trainer's steps.
+* An app bound to loopback answers only requests that address it by a loopback name: a page in
+  a browser on the same machine cannot reach it through DNS rebinding.
+"""
 
 from __future__ import annotations
 
+import ipaddress
 import secrets
 
 from fastapi import Header, HTTPException
 
-_token: str | None = None
+from serve_app.ingress.settings import current
+
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 
 
-def configure(token: str | None) -> None:
-    """Set this process's control token (the ingress does it at start; None: no auth)."""
-    global _token
-    _token = token
+class AccessError(ValueError):
+    """The app cannot start with this access configuration; the message names the fix."""
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (a name or an address) is this machine's loopback."""
+    if host.lower() in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_exposure(http_host: str | None, token: str | None) -> None:
+    """Refuse an HTTP port beyond loopback without a token (`http_host`: Serve's HTTP host,
+    None when it cannot be known here)."""
+    if http_host is not None and token is None and not is_loopback(http_host):
+        raise AccessError(
+            f"Serve's HTTP host is {http_host!r}, beyond loopback, and no control token is set: anyone who "
+            "reaches the port could drive profiling and weight updates. Set control_token_env (or "
+            "control_token_file) in the app's args, or bind http_options.host to 127.0.0.1"
+        )
+
+
+async def require_loopback_host(host: str | None = Header(None, include_in_schema=False)) -> None:
+    """Every route: on a loopback-only app, the request must address it by a loopback name."""
+    # async: FastAPI runs a plain-def dependency in its thread pool, a thread hop per request.
+    if not current().access.loopback_only:
+        return
+    name = _host_name(host or "")
+    if not is_loopback(name):
+        raise HTTPException(
+            status_code=403,
+            detail=f"Host {name!r} is not a loopback name: this app listens on loopback only and answers "
+            "requests to localhost or 127.0.0.1 (a guard against DNS rebinding)",
+        )
 
 
 async def require_control_token(authorization: str | None = Header(None)) -> None:
-    # async: FastAPI runs a plain-def dependency in its thread pool, a thread hop on every control call.
-    if _token is None:
+    """The control routes: the bearer token, when the app has one."""
+    token = current().access.token
+    if token is None:
         return
     scheme, _, given = (authorization or "").partition(" ")
-    if scheme.lower() != "bearer" or not secrets.compare_digest(given.encode(), _token.encode()):
+    if scheme.lower() != "bearer" or not secrets.compare_digest(given.encode(), token.encode()):
         raise HTTPException(
             status_code=401,
-            detail="control routes need 'Authorization: Bearer <control_token>' (the token set in the app's args)",
+            detail="control routes need 'Authorization: Bearer <token>' (the token of the app's "
+            "control_token_env or control_token_file)",
             headers={"WWW-Authenticate": "Bearer"},
         )
+
+
+def _host_name(host: str) -> str:
+    """The name of a Host header, without its port (`[::1]:8000` -> `::1`)."""
+    if host.startswith("["):
+        return host[1 : host.find("]")] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host

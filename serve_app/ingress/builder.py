@@ -1,27 +1,41 @@
 """Build the ingress deployment class from mixins and their endpoint maps (the pattern of Ray
-Serve LLM's `make_fastapi_ingress`), with error handlers that keep every answer a clean 4xx."""
+Serve LLM's `make_fastapi_ingress`), with the guards every route shares (a loopback Host, a
+bounded body) and error handlers that keep every answer a clean status with a cause: no bare
+500, no server path, no remote traceback (those go to the log)."""
 
 from __future__ import annotations
 
+import json
+import logging
 import math
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from ray import serve
 
 from serve_app.api import ErrorResponse
 from serve_app.errors import ControlError
+from serve_app.ingress.auth import require_loopback_host
+from serve_app.ingress.settings import current
 
+log = logging.getLogger(__name__)
 EndpointMap = dict[str, Callable[[FastAPI], Callable]]
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
 
 
 def create_fastapi_app() -> FastAPI:
     app = FastAPI(
         title="Rollout profiler",
         description="Ray Serve rollout replicas with version-keyed profile routes.",
+        dependencies=[Depends(require_loopback_host)],
     )
+    app.add_middleware(BodySizeLimit)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -33,11 +47,65 @@ def create_fastapi_app() -> FastAPI:
 
     @app.exception_handler(ControlError)
     async def _control(_: Request, exc: ControlError) -> JSONResponse:
-        body = ErrorResponse(detail=exc.detail, replicas=exc.replicas)
+        redact = current().redact
+        if exc.status >= 500:
+            log.warning("answered %s: %s", exc.status, exc.detail)
+        replicas = [r.model_copy(update={"error": redact(r.error)}) if r.error else r for r in exc.replicas]
+        body = ErrorResponse(detail=redact(exc.detail), replicas=replicas)
         headers = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s is not None else None
         return JSONResponse(status_code=exc.status, content=body.model_dump(mode="json"), headers=headers)
 
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        # Ray's errors carry the remote traceback in their text: its first line is the cause.
+        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        cause = str(getattr(exc, "cause", None) or exc).strip().splitlines()
+        detail = f"{type(exc).__name__}: {cause[0] if cause else ''}"
+        body = ErrorResponse(detail=f"the app failed this request ({current().redact(detail)}); the ingress log has the rest")
+        return JSONResponse(status_code=500, content=body.model_dump(mode="json"))
+
     return app
+
+
+class BodySizeLimit:
+    """Answers 413 to a request body larger than request_limits.max_body_bytes, from its
+    Content-Length or as it arrives, before anything parses it."""
+
+    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]]):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        limit = current().max_body_bytes
+        if scope["type"] != "http" or limit is None:
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            await _too_large(send, limit)
+            return
+        received = 0
+
+        async def bounded() -> Message:
+            # A body without Content-Length is counted as it arrives; FastAPI passes an
+            # HTTPException raised while it reads the body on as it is.
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > limit:
+                raise HTTPException(status_code=413, detail=_too_large_detail(limit))
+            return message
+
+        await self.app(scope, bounded, send)
+
+
+def _too_large_detail(limit: int) -> str:
+    return f"request body over {limit} bytes (request_limits.max_body_bytes)"
+
+
+async def _too_large(send: Send, limit: int) -> None:
+    body = json.dumps({"detail": _too_large_detail(limit), "replicas": []})
+    await send({"type": "http.response.start", "status": 413, "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": body.encode()})
 
 
 def _plain(errors: object) -> object:

@@ -254,6 +254,22 @@ def test_failed_merge_is_recorded_and_raised(store):
     assert not list(store.step_dir(1).glob(".merged*"))
 
 
+def test_a_merge_that_would_not_fit_on_disk_is_not_attempted_and_says_so(store, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    write_step(store, 1, interleaved({"r0": 0, "r1": 0, "trainer": 0}))
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage(10**9, 10**9 - 1024, 1024))
+    with pytest.raises(MergeError, match="not merged"):
+        merge_step(store, 1)
+    m = store.read_manifest(1)
+    assert m.merge.status == "error" and "0 MiB free" in m.merge.error
+    assert "merged.trace.json.gz is not written" in m.merge.error and "python -m profiling merge" in m.merge.error
+    assert not (store.step_dir(1) / MERGED_TRACE).exists()
+    assert all(e.files for e in m.entries)  # the traces themselves are untouched
+
+
 def test_missing_step_names_the_steps_there(store):
     write_step(store, 2, interleaved({"r0": 0, "r1": 0, "trainer": 0}))
     with pytest.raises(StepNotFound, match=r"no step_7 under .* \(steps there: 2\)"):

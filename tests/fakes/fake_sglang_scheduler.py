@@ -212,11 +212,14 @@ class ProfilerManager:
 class Scheduler:
     """The scheduler thread: batches, control requests between batches, weights, profiler."""
 
-    def __init__(self, model_path: Path):
+    def __init__(self, model_path: Path, step_delay_s: float = 0.0):
+        """`step_delay_s`: a pause after each batch (a fake-only knob), so that a test can catch
+        a long request in flight on a fast machine."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         torch.set_num_threads(1)  # replicas and servers share a small CPU
         self.model_path = model_path
+        self.step_delay_s = step_delay_s
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
         self.context_len = int(self.model.config.max_position_embeddings)
@@ -349,6 +352,8 @@ class Scheduler:
                     fut.set_exception(e)
             if self._paused is None and self._running:
                 self._run_batch()
+                if self.step_delay_s:
+                    time.sleep(self.step_delay_s)
 
     def _run_batch(self) -> None:
         self.forward_ct += 1

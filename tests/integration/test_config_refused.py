@@ -66,3 +66,62 @@ def test_serve_run_refuses_a_bad_cross_field_config_naming_the_keys(ray_cluster,
         assert time.monotonic() - t0 < 120
     finally:
         serve.delete(name)
+
+
+EXPOSED = '''
+import json, os, sys, time
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+import ray
+from ray import serve
+from ray.serve._private import api as serve_api
+from ray.serve.config import ProxyLocation
+from ray.serve.schema import ApplicationStatus, ServeDeploySchema
+
+config = json.loads(sys.argv[1])
+ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+try:
+    # What `serve run config.yaml` does with a config file: start Serve with its HTTP options,
+    # then deploy the config; the controller builds the app. No proxy runs (Disabled): nothing
+    # listens on 0.0.0.0, but Serve's HTTP host is 0.0.0.0.
+    client = serve_api.serve_start(http_options=config["http_options"], proxy_location=ProxyLocation.Disabled)
+    client.deploy_apps(ServeDeploySchema.model_validate(config), _blocking=False)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        app = serve.status().applications.get("exposed")
+        if app is not None and app.status in (ApplicationStatus.DEPLOY_FAILED, ApplicationStatus.RUNNING):
+            print(json.dumps({"status": str(app.status), "message": app.message, "deployments": list(app.deployments)}))
+            break
+        time.sleep(0.5)
+finally:
+    serve.shutdown()
+    ray.shutdown()
+'''
+
+
+def test_a_port_beyond_loopback_without_a_token_fails_the_build(tmp_path):
+    """Serve's HTTP host 0.0.0.0 and no control token: the build fails naming the fix, before any
+    replica starts. A private cluster of its own (the session's Serve is bound to loopback)."""
+    import json
+
+    config = {
+        "http_options": {"host": "0.0.0.0", "port": 8000},
+        "applications": [
+            {
+                "name": "exposed",
+                "route_prefix": "/",
+                "import_path": "serve_app.app:build_app",
+                "args": {"num_replicas": 1, "replica_num_cpus": 0.25, "save_path": str(tmp_path / "traces")},
+            }
+        ],
+    }
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    run = subprocess.run(
+        [sys.executable, "-c", EXPOSED, json.dumps(config)], env=env, capture_output=True, text=True, timeout=300
+    )
+    lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
+    assert run.returncode == 0 and lines, run.stderr[-3000:]
+    app = json.loads(lines[-1])
+    assert app["status"].endswith("DEPLOY_FAILED"), app
+    for text in ("0.0.0.0", "control_token_env", "127.0.0.1"):
+        assert text in app["message"], app["message"]
+    assert not app["deployments"], app

@@ -314,13 +314,15 @@ def test_save_path_unwritable_mid_step(faults, http, fleet):
 
         ids = {r["replica_id"] for r in started["replicas"]}
         body = assert_step_reports_loss(http, step, ids, "Not a directory")
-        assert str(save_path) in body["detail"], body
+        # The answer names the directory by its key, never by its server path (that goes to the log).
+        assert "save_path" in body["detail"] and str(save_path) not in body["detail"], body
         refused = http.post("/profile/start", json={"step": step + 1})
         assert refused.status_code == 507, refused.text
-        assert str(save_path) in refused.json()["detail"] and "not a directory" in refused.json()["detail"]
+        detail = refused.json()["detail"]
+        assert "save_path" in detail and str(save_path) not in detail and "not a directory" in detail, detail
         assert status(http)["state"] == "idle"
         listed = http.get("/profile/steps")
-        assert listed.status_code == 507 and str(save_path) in listed.json()["detail"], listed.text
+        assert listed.status_code == 507 and str(save_path) not in listed.text, listed.text
         assert http.get("/metrics").status_code == 200
     finally:
         stop_if_active(http)
@@ -393,8 +395,8 @@ def save(state: dict, path: Path) -> Path:
 
 def broken_weights(model_dir: Path, weights_dir: Path) -> list[tuple[str, str, str]]:
     """(path relative to weights_dir, text the answer must name, why it cannot load) per broken
-    checkpoint. The first two fail the ingress' checks; the others pass them (their headers are
-    fine) and fail inside the replicas."""
+    checkpoint. The first INGRESS_REFUSED fail the ingress' checks; the others pass them (each is
+    one well-formed checkpoint) and are refused inside the replicas, from their headers."""
     import torch
 
     state = model_state(model_dir)
@@ -410,6 +412,11 @@ def broken_weights(model_dir: Path, weights_dir: Path) -> list[tuple[str, str, s
     (weights_dir / "linked" / "model.safetensors").symlink_to(model_dir / "model.safetensors")
     out.append(("linked", "links outside", "a shard linked from outside weights_dir"))
 
+    dup = weights_dir / "duplicated"
+    save(state, dup / "model-00001-of-00002.safetensors")
+    save({emb: torch.zeros_like(state[emb])}, dup / "model-00002-of-00002.safetensors")
+    out.append(("duplicated", "no .safetensors.index.json", "two checkpoints in one directory: which one is meant?"))
+
     save({**state, emb: state[emb][:-1]}, weights_dir / "shape.safetensors")
     out.append(("shape.safetensors", emb, "one tensor of the wrong shape"))
 
@@ -419,12 +426,10 @@ def broken_weights(model_dir: Path, weights_dir: Path) -> list[tuple[str, str, s
     half = len(names) // 2
     save({k: state[k] for k in names[:half]}, weights_dir / "sharded" / "model-00001-of-00002.safetensors")
     out.append(("sharded", names[half], "a sharded checkpoint missing a shard"))
-
-    dup = weights_dir / "duplicated"
-    save(state, dup / "model-00001-of-00002.safetensors")
-    save({emb: torch.zeros_like(state[emb])}, dup / "model-00002-of-00002.safetensors")
-    out.append(("duplicated", emb, "a tensor in two shards: which one is meant?"))
     return out
+
+
+INGRESS_REFUSED = 3
 
 
 def test_weights_that_fail_to_load_keep_the_old_version(faults, http, fleet, model_dir):
@@ -439,7 +444,7 @@ def test_weights_that_fail_to_load_keep_the_old_version(faults, http, fleet, mod
         assert r.status_code == 422, (why, r.status_code, r.text)
         body = r.json()
         assert named in body["detail"], (why, body)
-        if i < 2:  # refused by the ingress before any replica read it
+        if i < INGRESS_REFUSED:  # refused by the ingress before any replica read it
             assert body["replicas"] == [], (why, body)
         else:  # refused inside the replicas: each one says why
             assert "version 1 keeps serving" in body["detail"], (why, body)

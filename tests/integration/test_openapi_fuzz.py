@@ -29,7 +29,7 @@ from schemathesis.checks import not_a_server_error
 
 pytestmark = pytest.mark.integration
 
-TOKEN = "fuzz-token"
+TOKEN = "fuzz-token-fuzz-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 FUZZ_STEP = 950
 BASE_WEIGHTS = "base.safetensors"
@@ -53,10 +53,14 @@ STATEFUL = {"/profile/start", "/profile/stop", "/weights/update"}
 
 @pytest.fixture(scope="module")
 def fuzz_app(ray_cluster, model_dir, tmp_path_factory) -> Iterator[ServeApp]:
-    with deployed(
-        ray_cluster, model_dir, tmp_path_factory.mktemp("fuzz"), "fuzz", control_token=TOKEN, merge_on_complete=False
-    ) as served:
+    tmp = tmp_path_factory.mktemp("fuzz")
+    (tmp / "token").write_text(TOKEN)
+    with deployed(ray_cluster, model_dir, tmp, "fuzz", control_token_file=str(tmp / "token"), merge_on_complete=False) as served:
         shutil.copyfile(model_dir / "model.safetensors", served.weights_dir / BASE_WEIGHTS)
+        # Version 1 names BASE_WEIGHTS, so `reopen` can always ask for the served version again
+        # (version 0 is the initial weights: no path may be published as it).
+        with client(served.base_url, token=TOKEN) as c:
+            ok(c.post("/weights/update", json={"version": 1, "path": BASE_WEIGHTS}))
         yield served
 
 

@@ -180,7 +180,7 @@ def test_weights_update_rejects_malformed_input(app, http, base_weights):
     text = app.weights_dir / "notes.txt"
     text.write_text("hello")
     cases = [
-        ({"version": version, "path": "/etc/passwd"}, "/etc/passwd"),
+        ({"version": version, "path": "/etc/passwd"}, "passwd' is outside"),  # no absolute path in answers
         ({"version": version, "path": "../../etc/passwd"}, "../../etc/passwd"),
         ({"version": version, "path": str(app.weights_dir / "missing.safetensors")}, "missing.safetensors"),
         ({"version": version, "path": str(bad)}, "bad.safetensors"),
@@ -302,11 +302,14 @@ def test_huge_step_lookup_is_404(http):
 # -- auth --------------------------------------------------------------------------------------------
 
 
+TOKEN = "s3cret-s3cret-s3cret"
+
+
 @pytest.fixture(scope="module")
 def secure(ray_cluster, model_dir, tmp_path_factory):
-    with deployed(
-        ray_cluster, model_dir, tmp_path_factory.mktemp("secure"), "secure", control_token="s3cret", num_replicas=1
-    ) as served:
+    tmp = tmp_path_factory.mktemp("secure")
+    (tmp / "token").write_text(TOKEN + "\n")
+    with deployed(ray_cluster, model_dir, tmp, "secure", control_token_file=str(tmp / "token"), num_replicas=1) as served:
         yield served
 
 
@@ -322,21 +325,21 @@ CONTROL_CALLS = [
 
 def test_control_routes_need_the_token(secure):
     with client(secure.base_url) as c:
-        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"},
-                        {"Authorization": "Basic s3cret"}, {"Authorization": "Bearer"},
-                        {"Authorization": "Bearer s3cret2"}):
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN},
+                        {"Authorization": f"Basic {TOKEN}"}, {"Authorization": "Bearer"},
+                        {"Authorization": f"Bearer {TOKEN}2"}):
             for method, path, body in CONTROL_CALLS:
                 r = c.request(method, path, json=body, headers=headers)
                 assert r.status_code == 401, (headers, path, r.status_code, r.text)
                 assert r.headers.get("www-authenticate") == "Bearer"
                 assert "s3cret" not in r.text
         # Nothing was started by the rejected calls.
-        r = c.get("/profile/status", headers={"Authorization": "Bearer s3cret"})
+        r = c.get("/profile/status", headers={"Authorization": f"Bearer {TOKEN}"})
         assert r.status_code == 200 and r.json()["state"] == "idle"
 
 
 def test_control_routes_accept_the_token(secure):
-    with client(secure.base_url, token="s3cret") as c:
+    with client(secure.base_url, token=TOKEN) as c:
         answers = {path: c.request(method, path, json=body).status_code for method, path, body in CONTROL_CALLS}
         assert 401 not in answers.values(), answers
         assert answers["/profile/start"] == answers["/profile/stop"] == answers["/profile/status"] == 200

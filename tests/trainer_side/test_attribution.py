@@ -39,7 +39,9 @@ class Run:
 
 
 def _train(module_deployed, model_dir, name: str, steps: list[int], total_versions: int) -> Run:
-    app = module_deployed(name, profiler={"max_forward_steps": None, "max_duration_s": 300})
+    app = module_deployed(
+        name, profiler={"max_forward_steps": None, "max_duration_s": 300}, start_limits={"max_forward_steps": None}
+    )
     # On-policy samples only (max_staleness 0): every version trains on completions generated on
     # the version before it, so every profiled window has forward passes to attribute. With stale
     # samples allowed, a full queue of older completions can train a version with no generation

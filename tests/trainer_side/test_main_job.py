@@ -145,9 +145,9 @@ def test_last_step_export_survives_the_end_of_the_job(tmp_path):
     shapes on, uncapped, 64-token completions: tens of seconds): the job must still leave a
     complete step with every trace on disk."""
     serve_cfg = yaml.safe_load((REPO_ROOT / "config" / "serve.yaml").read_text())
-    serve_cfg["applications"][0]["args"]["profiler"].update(
-        with_stack=True, record_shapes=True, max_forward_steps=None
-    )
+    args = serve_cfg["applications"][0]["args"]
+    args["profiler"].update(with_stack=True, record_shapes=True, max_forward_steps=None)
+    args["start_limits"] = {"with_stack": True, "max_forward_steps": None}
     (tmp_path / "serve.yaml").write_text(yaml.safe_dump(serve_cfg))
     run = run_cli(
         tmp_path,

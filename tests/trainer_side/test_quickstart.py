@@ -58,6 +58,26 @@ def test_main_job_prints_and_writes_what_the_page_says(quickstart_main_job):
     ]
 
 
+FALSE_ALARMS = {
+    "Kineto's thread check (torch.profiler first started off the thread that imported torch)": (
+        "External init callback must run in same thread as registerClient"
+    ),
+    "Kineto's USDT probe lines (KINETO_LOG_LEVEL)": "SyncActivityProfilerHandler.cpp",
+    "Ray's retry warning for serve.shutdown()'s graceful_shutdown": "ServeController.graceful_shutdown failed",
+}
+"""Lines the main job once printed that look like failures and are not (trainer/local_app.py,
+trainer/__main__.py and profiling/backends/torch_profiler.py say where each came from)."""
+
+
+def test_main_job_prints_no_false_alarms(quickstart_main_job):
+    run = quickstart_main_job
+    assert run.returncode == 0, run.log
+    lines = (run.stdout + run.stderr).splitlines()
+    found = {what: hits for what, marker in FALSE_ALARMS.items() if (hits := [s for s in lines if marker in s])}
+    assert not found, f"{found}\n{run.log}"
+    assert not [s for s in lines if s.startswith("USDT:")], run.log
+
+
 def test_inspect_commands(quickstart_main_job):
     assert quickstart_main_job.returncode == 0, quickstart_main_job.log
     run = quickstart.run(block("inspect"), timeout_s=300)

@@ -65,6 +65,11 @@ class FakeProfilingEngine(RolloutEngine[Path]):
             trace_dir=trace_dir,
         )
 
+    @property
+    def checkpoint(self) -> str:
+        """A checkpoint of the served model, which the base's header check accepts."""
+        return str(self.model_dir / "model.safetensors")
+
     def log(self, what: str) -> None:
         self.calls.append((what, time.monotonic()))
 
@@ -112,7 +117,7 @@ async def test_stop_with_pause_answers_before_the_engine_flush_and_update_waits_
     answered = time.monotonic() - t0
     assert outcome.stopped and outcome.step == 3
     assert answered < FLUSH_S / 2, f"the stop waited for the flush ({answered:.2f} s)"
-    await engine.update_weights(1, str(store.root), resume=False)
+    await engine.update_weights(1, engine.checkpoint, resume=False)
     assert engine.names() == ["start", "pause", "stop-flushed", "load"]
     assert engine.status().paused and engine.weight_version == 1
     assert await engine.start_profile(spec(4))
@@ -188,7 +193,7 @@ async def test_requests_report_the_versions_the_engine_ran_while_they_were_in_fl
     with engine.versions_seen() as across:  # in flight across the update
         await engine.stop_profile(None, pause=True)
         with engine.versions_seen() as held:  # sent while paused
-            await engine.update_weights(1, str(store.root), resume=True)
+            await engine.update_weights(1, engine.checkpoint, resume=True)
     with engine.versions_seen() as after:
         pass
     assert (across, held, after) == ({0, 1}, {1}, {1})
@@ -199,11 +204,11 @@ async def test_an_update_that_keeps_the_hold_never_reopens_admission_in_between(
     """update(resume=false) with no hold before it (the sync entering a window without a stop):
     the engine is paused for the load and stays paused until the start; reopening admission
     between the load and the hold would let engine steps run unprofiled on the new weights."""
-    await engine.update_weights(1, str(store.root), resume=False)
+    await engine.update_weights(1, engine.checkpoint, resume=False)
     assert engine.names() == ["pause", "load"]
     assert engine.status().paused and engine.weight_version == 1
-    await engine.update_weights(2, str(store.root), resume=True)
+    await engine.update_weights(2, engine.checkpoint, resume=True)
     assert engine.names() == ["pause", "load", "load", "resume"] and not engine.status().paused
-    await engine.update_weights(3, str(store.root), resume=True)
+    await engine.update_weights(3, engine.checkpoint, resume=True)
     assert engine.names()[-3:] == ["pause", "load", "resume"]
     await engine.shutdown()

@@ -278,6 +278,19 @@ def started(fake: FakeTorchNpu, options: ProfileOptions) -> tuple[dict, dict, di
     )
 
 
+def test_a_start_without_room_to_stage_is_refused_naming_the_setting(fake, staging_root, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage(10**10, 10**10 - 2**20, 2**20))
+    backend = create_backend(npu_options(min_free_staging_mb=100))
+    with pytest.raises(RuntimeError, match="min_free_staging_mb=100"):
+        backend.start()
+    assert not backend.recording and not list(staging_root.iterdir())
+    create_backend(npu_options(min_free_staging_mb=0)).start()  # the bound is the setting's
+
+
 def test_defaults_map_onto_torch_npu(fake, staging_root):
     exp, prof, handler = started(fake, npu_options())
     assert exp == {
