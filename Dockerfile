@@ -24,4 +24,5 @@ HEALTHCHECK --interval=30s --timeout=10s --start-period=900s --retries=3 \
   CMD python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=8)" || exit 1
 # The base image's entrypoint is `vllm serve`; this image runs Ray Serve instead.
 ENTRYPOINT []
-CMD ["serve", "run", "config/serve.vllm-gpu.yaml"]
+# --address local: always a fresh private cluster, never a stale one left in a restarted container.
+CMD ["serve", "run", "--address", "local", "config/serve.vllm-gpu.yaml"]

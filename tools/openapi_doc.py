@@ -80,7 +80,7 @@ def _responses(op: dict[str, Any], guarded: bool) -> list[str]:
     lines = ["| status | body | when |", "|---|---|---|"]
     answers = dict(op["responses"])
     if guarded:
-        answers.setdefault("401", {"description": "missing or wrong `Authorization: Bearer <control_token>`"})
+        answers.setdefault("401", {"description": "missing or wrong `Authorization: Bearer <token>`"})
     for code in sorted(answers, key=int):
         answer = answers[code]
         schema = _json_schema(answer.get("content", {}))
@@ -110,7 +110,11 @@ def render_reference(spec: dict[str, Any]) -> str:
             guarded = any(p["in"] == "header" and p["name"].lower() == "authorization" for p in params)
             out += [f"### `{method.upper()} {path}`", "", op.get("description") or op.get("summary", ""), ""]
             if guarded:
-                out += ["Needs `Authorization: Bearer <control_token>` when the app sets `control_token`.", ""]
+                out += [
+                    "Needs `Authorization: Bearer <token>` when the app has a control token "
+                    "(`control_token_env` or `control_token_file`).",
+                    "",
+                ]
             path_params = [p for p in params if p["in"] != "header"]
             if path_params:
                 out += ["| parameter | in | type |", "|---|---|---|"]

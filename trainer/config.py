@@ -39,8 +39,8 @@ class RolloutSection(StrictModel):
     )
     control_token: str | None = Field(
         None,
-        description="The app's control_token, sent as a Bearer token to url; unused when the trainer "
-        "starts the app (it uses that app's).",
+        description="The token of the app at url (its control_token_env or control_token_file), sent "
+        "as a Bearer token; unused when the trainer starts the app (it reads that app's).",
     )
     max_staleness: int = Field(2, ge=0, description="Drop samples older than this many versions.")
     max_tokens: int = Field(16, ge=1, description="Completion tokens generated per prompt (the requests' max_tokens).")

@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     """Parse the options and run the loop."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="the app's base URL")
-    parser.add_argument("--control-token", default=None, help="the app's control_token, if it sets one")
+    parser.add_argument("--control-token", default=None, help="the app's control token (its control_token_env or control_token_file), if it has one")
     parser.add_argument("--save-path", default="/tmp/rollout-profiler/traces", help="the app's save_path")
     parser.add_argument("--weights-dir", default="/tmp/rollout-profiler/weights", help="the app's weights_dir")
     parser.add_argument("--model-path", default=None, help="the app's initial checkpoint (default: its tiny Llama)")

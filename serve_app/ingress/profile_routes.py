@@ -26,6 +26,7 @@ _errors = {
     503: {"model": ErrorResponse},
     507: {"model": ErrorResponse},
 }
+_stop_errors = {409: {"model": ErrorResponse}, 422: {"model": ErrorResponse}}
 _unreadable = {"model": ErrorResponse, "description": "save_path cannot be read, or the step's records could not be written there (names what was lost)."}
 
 
@@ -35,7 +36,7 @@ class ProfileRoutesMixin:
 
     ENDPOINTS = {
         "start_profile": lambda app: app.post("/profile/start", responses=_errors, **_guard),
-        "stop_profile": lambda app: app.post("/profile/stop", responses=_errors, **_guard),
+        "stop_profile": lambda app: app.post("/profile/stop", responses=_stop_errors, **_guard),
         "profile_status": lambda app: app.get("/profile/status", **_guard),
         "profile_steps": lambda app: app.get("/profile/steps", responses={507: _unreadable}, **_guard),
         "profile_step": lambda app: app.get(

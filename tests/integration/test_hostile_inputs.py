@@ -18,6 +18,7 @@ HOLD_S = 3.0
 MAX_BODY = 128 * 1024
 MAX_PROMPT_CHARS = 20_000
 MAX_PROMPTS = 8
+KEEP_STEPS = 3
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +31,7 @@ def app(ray_cluster, model_dir, tmp_path_factory) -> Iterator[ServeApp]:
         num_replicas=1,
         hold_timeout_s=HOLD_S,
         merge_on_complete=False,
+        keep_steps=KEEP_STEPS,
         request_limits={
             "max_body_bytes": MAX_BODY,
             "max_prompts": MAX_PROMPTS,
@@ -236,6 +238,13 @@ def test_a_corrupt_manifest_is_507_naming_the_step(app, http, answers):
     finally:
         manifest.write_text(good)
     assert http.get("/profile/steps/9500").status_code == 200
+
+
+def test_save_path_keeps_only_the_newest_steps(app, http):
+    """keep_steps: every fresh start above removed the least recently written step directories."""
+    kept = sorted(p.name for p in app.save_path.glob("step_*"))
+    assert 0 < len(kept) <= KEEP_STEPS, kept
+    assert "step_9500" in kept  # the newest
 
 
 def test_no_error_body_named_a_server_path(app, answers):

@@ -146,25 +146,29 @@ def test_vllm_refuses_profiler_options_it_cannot_change_per_session(http):
     assert status(http)["active_step"] is None
 
 
-def test_vllm_refuses_a_prompt_over_its_max_model_len_and_keeps_serving(http):
-    """max_model_len is 256: a prompt that leaves no room for max_tokens is a 422 naming the
-    context, checked before vLLM sees it."""
-    r = http.post("/v1/completions", json={"prompt": "One two three " * 100, "max_tokens": 8})
-    assert r.status_code == 422, r.text
-    assert "context of 256 tokens" in r.json()["detail"], r.text
-    assert complete(http, "Red green", max_tokens=2)["choices"][0]["token_ids"]
-
-
-def test_vllm_refuses_weights_that_do_not_fit_and_the_old_version_serves(vllm_app, model_dir, http):
+def test_vllm_refuses_hostile_inputs_while_a_step_records(vllm_app, model_dir, http):
+    """A prompt over max_model_len (256) and weights that do not fit: each a 422 naming the
+    cause, the old version keeps serving, and the step profiled meanwhile still records."""
     from safetensors.torch import load_file, save_file
 
+    step = 11
+    served = status(http)["weight_version"]
     state = load_file(str(model_dir / "model.safetensors"))
     emb = "model.embed_tokens.weight"
     save_file({**state, emb: state[emb][:-1].contiguous()}, str(vllm_app.weights_dir / "shape.safetensors"))
-    served = status(http)["weight_version"]
     before = complete(http, "Red green", max_tokens=4, temperature=0.0)["choices"][0]["token_ids"]
-    r = http.post("/weights/update", json={"version": served + 1, "path": "shape.safetensors"})
-    assert r.status_code == 422, r.text
-    assert emb in r.json()["detail"] and f"version {served} keeps serving" in r.json()["detail"], r.text
-    assert status(http)["weight_version"] == served
-    assert complete(http, "Red green", max_tokens=4, temperature=0.0)["choices"][0]["token_ids"] == before
+    ok(http.post("/profile/start", json={"step": step}))
+    try:
+        r = http.post("/v1/completions", json={"prompt": "One two three " * 100, "max_tokens": 8})
+        assert r.status_code == 422, r.text
+        assert "context of 256 tokens" in r.json()["detail"], r.text
+        r = http.post("/weights/update", json={"version": served + 1, "path": "shape.safetensors"})
+        assert r.status_code == 422, r.text
+        assert emb in r.json()["detail"] and f"version {served} keeps serving" in r.json()["detail"], r.text
+        assert status(http)["weight_version"] == served
+        assert complete(http, "Red green", max_tokens=4, temperature=0.0)["choices"][0]["token_ids"] == before
+        st = status(http)
+        assert st["active_step"] == step and all(r["state"] == "profiling" for r in st["replicas"]), st
+    finally:
+        stop_if_active(http)
+    _check_step(vllm_app, http, step, weight_version=served)  # its trace holds the engine's steps

@@ -335,3 +335,17 @@ def test_set_aside_moves_an_earlier_run_of_a_step_out_of_the_listing(store: Trac
     assert moved is not None and moved.name.startswith("step_3.replaced-")
     assert (moved / "rollout" / "r-old" / "trace.pt.trace.json.gz").read_bytes() == b"earlier run"
     assert not store.step_dir(3).exists() and store.steps() == []
+
+
+def test_prune_keeps_the_most_recently_written_step_directories(store):
+    """keep_steps: runs moved aside count as directories; other files under save_path are not touched."""
+    names = ["step_1", "step_2.replaced-20260101T000000-000000001", "step_2", "step_3"]
+    for i, name in enumerate(names):
+        (store.root / name).mkdir(parents=True)
+        os.utime(store.root / name, (1000 + i, 1000 + i))
+    (store.root / "index.html").write_text("report")
+    (store.root / ".engine").mkdir()
+    assert store.prune(2) == ["step_1", "step_2.replaced-20260101T000000-000000001"]
+    assert sorted(p.name for p in store.root.iterdir()) == [".engine", "index.html", "step_2", "step_3"]
+    assert store.prune(5) == []
+    assert TraceStore(store.root / "absent").prune(1) == []
