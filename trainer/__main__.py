@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 from pathlib import Path
 from typing import Annotated
 
@@ -13,7 +12,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from profiling.backends.torch_profiler import QUIET_KINETO_ENV, init_kineto
+from profiling.backends.torch_profiler import init_kineto, quiet_kineto_env
 from profiling.manifest import StepManifest
 from profiling.schedule import StepSchedule
 from profiling.store import TraceStore
@@ -65,8 +64,7 @@ def _quiet_native_logs() -> None:
     the local cluster passes on to Ray's processes), and its thread-check ERROR, by initialising
     Kineto here, on the thread that imported torch, instead of at the first start on the model
     thread (init_kineto)."""
-    for key, value in QUIET_KINETO_ENV.items():
-        os.environ.setdefault(key, value)
+    quiet_kineto_env()
     init_kineto()
 
 

@@ -35,11 +35,10 @@ def local_cluster(num_cpus: int | None = None) -> Iterator[int]:
     from ray import serve
     from ray.serve.context import _set_global_client
 
-    from profiling.backends.torch_profiler import QUIET_KINETO_ENV
+    from profiling.backends.torch_profiler import quiet_kineto_env
     from serve_app.net import free_port
 
-    for key, value in QUIET_KINETO_ENV.items():
-        os.environ.setdefault(key, value)
+    quiet_kineto_env()
     ray.init(
         address="local",
         num_cpus=num_cpus or max(4, os.cpu_count() or 1),

@@ -32,6 +32,13 @@ first profiler start): set it with `os.environ.setdefault` (a KINETO_LOG_LEVEL a
 in the process, and in the environment of the processes it starts."""
 
 
+def quiet_kineto_env() -> None:
+    """Set QUIET_KINETO_ENV's defaults in this process's environment (and so in the processes it
+    starts from now on); a value already set wins."""
+    for key, value in QUIET_KINETO_ENV.items():
+        os.environ.setdefault(key, value)
+
+
 @functools.cache
 def init_kineto() -> None:
     """Initialise Kineto on this thread with an empty recording (about 1 s on CPU, once per
