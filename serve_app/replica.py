@@ -24,7 +24,7 @@ from serve_app.api import CompletionChoice, CompletionLogprobs, CompletionReques
 from serve_app.config import AppArgs
 from serve_app.desired_state import DesiredStateStore
 from serve_app.engines import create_engine
-from serve_app.engines.base import GenerateRequest
+from serve_app.engines.base import GenerateRequest, check_fits
 from serve_app.reconcile import Reconciler
 from serve_app.redact import app_redactor
 from serve_app.trace_collection import ShippingTraceStore, node_local_dir
@@ -109,7 +109,7 @@ class RolloutReplica:
         prompt_ids = await asyncio.to_thread(engine.tokenize, prompt) if isinstance(prompt, str) else list(prompt)
         if not prompt_ids:
             raise ValueError("prompt is empty after tokenization")
-        engine.check_fits(len(prompt_ids), request.max_tokens)
+        check_fits(engine.context_length, len(prompt_ids), request.max_tokens)
         result = await engine.generate(
             GenerateRequest(
                 prompt_token_ids=prompt_ids,

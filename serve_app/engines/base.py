@@ -80,6 +80,40 @@ class EngineStatus(BaseModel):
     """All forward passes this engine ran, by weight version (recorded or not)."""
 
 
+def check_fits(context_length: int | None, prompt_tokens: int, max_tokens: int) -> None:
+    """ValueError (a 422 for the caller) when a prompt leaves no room for max_tokens in the
+    engine's context (`context_length` None: unknown, not checked)."""
+    if context_length is not None and prompt_tokens + max_tokens > context_length:
+        raise ValueError(
+            f"the prompt has {prompt_tokens} tokens and max_tokens is {max_tokens}: together over the "
+            f"model's context of {context_length} tokens; shorten the prompt or lower max_tokens"
+        )
+
+
+class InFlightVersions:
+    """The weight versions an engine ran while each request was in flight: a request held across
+    an update ran only with the new weights, one in flight across it with both."""
+
+    def __init__(self) -> None:
+        self._seen: dict[int, set[int]] = {}
+
+    @contextlib.contextmanager
+    def track(self, running: int | None) -> Iterator[set[int]]:
+        """Around one request; `running`: the version the engine runs now (None: paused)."""
+        seen: set[int] = set() if running is None else {running}
+        key = id(seen)
+        self._seen[key] = seen
+        try:
+            yield seen
+        finally:
+            del self._seen[key]
+
+    def ran(self, version: int) -> None:
+        """The engine resumed on `version`: every request in flight runs on it from now."""
+        for seen in self._seen.values():
+            seen.add(version)
+
+
 class RolloutEngine(HfTokenizerMixin, ABC, Generic[W]):
     """One engine inside one replica. `W` is what `_read_weights` hands to `_load_weights`."""
 
@@ -112,7 +146,7 @@ class RolloutEngine(HfTokenizerMixin, ABC, Generic[W]):
         self._hold_timer: asyncio.TimerHandle | None = None
         self._engine_paused = False
         # Requests in flight -> the weight versions the engine ran while each was in flight.
-        self._in_flight: dict[int, set[int]] = {}
+        self._in_flight = InFlightVersions()
 
     # -- hooks ---------------------------------------------------------------------------------
     @abstractmethod
@@ -162,30 +196,14 @@ class RolloutEngine(HfTokenizerMixin, ABC, Generic[W]):
         return {}
 
     # -- generation --------------------------------------------------------------------------
-    def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
-        """ValueError (a 422 for the caller) when the prompt leaves no room for max_tokens."""
-        if self.context_length is not None and prompt_tokens + max_tokens > self.context_length:
-            raise ValueError(
-                f"the prompt has {prompt_tokens} tokens and max_tokens is {max_tokens}: together over the "
-                f"model's context of {self.context_length} tokens; shorten the prompt or lower max_tokens"
-            )
-
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         self.check_prompt(request.prompt_token_ids)
         return await self._generate(request)
 
-    @contextlib.contextmanager
-    def versions_seen(self) -> Iterator[set[int]]:
+    def versions_seen(self) -> contextlib.AbstractContextManager[set[int]]:
         """Around one request of an engine that reports no per-token version: the weight versions
-        the engine ran while it was in flight (a request held across an update ran only with
-        the new weights, one in flight across it with both)."""
-        seen: set[int] = set() if self._engine_paused else {self.weight_version}
-        key = id(seen)
-        self._in_flight[key] = seen
-        try:
-            yield seen
-        finally:
-            del self._in_flight[key]
+        the engine ran while it was in flight (InFlightVersions)."""
+        return self._in_flight.track(None if self._engine_paused else self.weight_version)
 
     # -- profiling and weights ------------------------------------------------------------------
     async def start_profile(self, spec: SessionSpec) -> bool:
@@ -317,8 +335,7 @@ class RolloutEngine(HfTokenizerMixin, ABC, Generic[W]):
     async def _resume_engine(self) -> None:
         await self._resume()
         self._engine_paused = False
-        for seen in self._in_flight.values():
-            seen.add(self.weight_version)
+        self._in_flight.ran(self.weight_version)
 
     async def _hold(self) -> None:
         """Admit no engine step until the next start or resuming update, or until hold_timeout_s
