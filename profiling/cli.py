@@ -9,6 +9,7 @@
     merge DIR [--step K]               step_<k>/merged.trace.json.gz (Perfetto)
     diff DIR --step A --step B         what got slower from step A to step B
     report DIR [--step K]              step_<k>/report.html and index.html
+    ranks DIR [--step K]               step_<k>/ranks/: the step as ranks, for HTA and TensorBoard
 
 Exit codes: 0 done; 1 the operation failed (a merge failed, the app refused the call, or a
 replica did not carry it out); 2 bad usage (unknown option, no such directory or step);
@@ -312,6 +313,29 @@ def report(directory: Dir, step: Steps = None) -> None:
     out.print(f"index: {result.index}", markup=False)
 
 
+@app.command()
+def ranks(directory: Dir, step: Steps = None, as_json: AsJson = False) -> None:
+    """Write step_<k>/ranks/: every trace of the step as one rank (a unique
+    distributedInfo.rank), the directory Holistic Trace Analysis and TensorBoard's profiler
+    plugin load. JSON: a list of views."""
+    from profiling.analysis.tool_view import build_tool_view
+
+    store = _store(directory)
+    views = [build_tool_view(store, k) for k in _steps(store, step)]
+    if as_json:
+        _print_json(views)
+        return
+    for v in views:
+        linked = sum(f.how == "link" for f in v.files)
+        out.print(
+            f"step {v.step}: {v.world_size} rank(s) ({linked} linked, {v.world_size - linked} rewritten, "
+            f"{v.rewritten_bytes / 2**20:.1f} MB) in {v.duration_s:.1f} s: {v.directory}",
+            markup=False,
+        )
+        for note in v.skipped:
+            err.print(f"  skipped {note}", markup=False)
+
+
 # -- printing --------------------------------------------------------------------------------------
 
 
@@ -356,6 +380,7 @@ def _print_summary(s: StepSummary, top: int) -> None:
     )
     if s.control:
         out.print("sync: " + ", ".join(f"{c.name} {c.dur_s * 1000:.1f} ms" for c in s.control), markup=False)
+    _print_breakdown(s)
     ops = Table(title=f"step {s.step}: top {top} ops by self time")
     for col in ("process", "op", "calls", "self ms"):
         ops.add_column(col, justify="left" if col in ("process", "op") else "right")
@@ -365,6 +390,51 @@ def _print_summary(s: StepSummary, top: int) -> None:
     out.print(ops)
     for note in s.skipped:
         err.print(f"skipped {note}", markup=False)
+
+
+def _print_breakdown(s: StepSummary) -> None:
+    b = s.breakdown
+    table = Table(title=f"step {s.step}: RL step breakdown (seconds)")
+    cols = ("process", "generating", "held", "idle", "sync hold", "finalizing", "exporting", "requests", "out tokens")
+    for col in (*cols, "slowest"):
+        table.add_column(col, justify="left" if col == "process" else "right")
+    for r in b.replicas:
+        table.add_row(
+            f"rollout/{r.replica_id}",
+            *(_s(v) for v in (r.generating_s, r.held_s, r.idle_s, r.sync_held_s, r.finalizing_s, r.exporting_s)),
+            str(r.requests),
+            str(r.output_tokens),
+            _s(r.slowest_s),
+        )
+    out.print(table)
+    if b.trainer:
+        ranks = Table(title=f"step {s.step}: trainer ranks (seconds)")
+        for col in ("process", "training", "sync", "other", "finalizing", "exporting"):
+            ranks.add_column(col, justify="left" if col == "process" else "right")
+        for t in b.trainer:
+            ranks.add_row(
+                f"trainer/rank_{t.rank}",
+                *(_s(v) for v in (t.training_s, t.sync_s, t.other_s, t.finalizing_s, t.exporting_s)),
+            )
+        out.print(ranks)
+    i, st = b.imbalance, b.staleness
+    served = ", ".join(f"v{v}: {n}" for v, n in b.weight_versions_served.items()) or "-"
+    out.print(
+        f"imbalance (max/mean): generating {_s(i.generating_max_over_mean)}, tokens "
+        f"{_s(i.output_tokens_max_over_mean)}; versions served (requests): {served}",
+        markup=False,
+    )
+    if st is not None:
+        hist = ", ".join(f"{k}: {n}" for k, n in st.histogram.items())
+        out.print(
+            f"staleness of consumed samples: mean {_s(st.mean)}, max {st.max}, {st.samples} samples "
+            f"({hist}), {st.dropped} dropped",
+            markup=False,
+        )
+
+
+def _s(v: float | None) -> str:
+    return "-" if v is None else f"{v:.3f}"
 
 
 def _print_merge(store: TraceStore, k: int, r: MergeRecord) -> None:
@@ -393,6 +463,14 @@ def _print_diff(d: StepDiff) -> None:
             "-" if row.ratio is None else f"{row.ratio:.2f}x",
         )
     out.print(phases)
+    changes = Table(title=f"step {d.a} -> step {d.b}: RL step breakdown")
+    for col in ("figure", "unit", f"step {d.a}", f"step {d.b}", "delta", "ratio"):
+        changes.add_column(col, justify="left" if col in ("figure", "unit") else "right")
+    for c in d.breakdown:
+        changes.add_row(
+            c.name, c.unit, _s(c.a), _s(c.b), _s(c.delta), "-" if c.ratio is None else f"{c.ratio:.2f}x"
+        )
+    out.print(changes)
     basis = ", ".join(f"{role}: {b}" for role, b in d.ops_basis.items())
     ops = Table(title=f"ops by self time, most slowed-down first ({basis}; ms)")
     for col in ("role", "op", f"step {d.a}", f"step {d.b}", "delta", "ratio"):

@@ -128,6 +128,17 @@ class ProfileOptions(StrictModel):
     max_duration_s: float | None = Field(
         300.0, gt=0, description="Stop recording after this many seconds (null: unbounded)."
     )
+    max_trace_mb: float | None = Field(
+        1024.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="Budget for one replica's trace of one window: MiB of trace JSON as exported, "
+        "before compression (what a viewer loads). The window stops recording early when the steps "
+        "recorded would exceed it (estimated from this process's earlier traces), and a torch trace "
+        "still over it is cut after the last forward step that fits; the manifest entry says so "
+        "(truncated, forward_steps_kept). Engine-owned traces (vLLM, SGLang) are only flagged "
+        "(over_budget). Null: no budget.",
+    )
     npu: NpuOptions = Field(default_factory=NpuOptions, description="Settings of tool: npu.")
 
     def merged(self, **overrides: object) -> ProfileOptions:

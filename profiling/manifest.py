@@ -1,6 +1,6 @@
 """The per-step manifest (docs/design.md#manifest) and the per-producer records it is assembled from.
 
-Each producer (a rollout replica, a trainer rank) writes its own `entry.json` in its own
+Each producer (a rollout replica, a trainer rank) writes its own `entry.record` in its own
 directory; the controller writes `session.json`. `manifest.json` is derived from those files,
 so no two processes ever write the same file concurrently.
 """
@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 from profiling.config import ProfileOptions
+from profiling.step_stats import RequestStats, Staleness
 
 Role = Literal["rollout", "trainer"]
 ManifestStatus = Literal["recording", "exporting", "complete", "partial"]
@@ -50,6 +51,35 @@ class ClockSync(BaseModel):
     stop: ClockSample | None = None
 
 
+class ClockOffset(BaseModel):
+    """One process's wall clock against the app's reference clock (its controller's), measured
+    NTP-style: the reference reads its clock, asks the process for its `time.time_ns()`, and reads
+    its clock again; the exchange with the shortest round trip counts. Processes on other nodes
+    (or with a skewed clock) need it: the in-process clock samples only map a trace to its own
+    process's wall clock."""
+
+    offset_ns: int
+    """Added to this process's wall clock to get the reference clock (the midpoint of the
+    reference's readings minus the process's reading)."""
+    bound_ns: int
+    """The offset's error is at most this: half the shortest round trip."""
+    samples: int = 1
+    """Exchanges made; the one with the shortest round trip gave offset and bound."""
+
+    @property
+    def applied_ns(self) -> int:
+        """The offset the timeline applies: the measured one where it is larger than its bound,
+        else 0. An offset within its bound of zero cannot be told from clocks that agree (one
+        machine, or NTP-synced hosts), and moving a trace by it would only add error."""
+        return self.offset_ns if abs(self.offset_ns) > self.bound_ns else 0
+
+    @property
+    def applied_bound_ns(self) -> int:
+        """The error of `applied_ns` at most: the bound where the offset is applied, else how far
+        the true offset may lie from zero (the measured offset plus its bound)."""
+        return self.bound_ns if self.applied_ns else abs(self.offset_ns) + self.bound_ns
+
+
 class ManifestEntry(BaseModel):
     """One process's contribution to a step: its trace files and what they hold."""
 
@@ -72,7 +102,20 @@ class ManifestEntry(BaseModel):
     forward_steps: int = 0
     late_start: bool = False
     """The process joined after the step had started (replica started or restarted)."""
-    auto_stopped: Literal["max_forward_steps", "max_duration_s"] | None = None
+    auto_stopped: Literal["max_forward_steps", "max_duration_s", "max_trace_mb"] | None = None
+    """Why the window stopped recording before its stop: a cap, or `max_trace_mb` when the steps
+    recorded so far were estimated to fill the trace budget."""
+    trace_mb: float | None = None
+    """The trace's JSON as exported, before compression and before any cut, in MiB (None: not
+    measured, e.g. an engine-owned trace)."""
+    truncated: bool = False
+    """The trace exceeded `max_trace_mb` and was cut: it keeps the first `forward_steps_kept` of
+    the `forward_steps` recorded; every event from the next forward step's start on was dropped."""
+    forward_steps_kept: int | None = None
+    """Forward steps left in a truncated trace (None: not truncated)."""
+    over_budget: bool = False
+    """The trace exceeded `max_trace_mb` and was kept whole (an engine-owned trace, which is not
+    cut): a viewer may fail to open it."""
     finalize_s: float | None = None
     """Seconds the profiler's own stop (finalize) took, off the acknowledged path."""
     export_s: float | None = None
@@ -80,6 +123,16 @@ class ManifestEntry(BaseModel):
     """Trainer entries: the critical-path cost of the sync that ended this step."""
     clock: ClockSync | None = None
     """Clock samples for aligning this process's trace with the others (None: backend has none)."""
+    clock_offset: ClockOffset | None = None
+    """This process's wall clock against the app's reference clock (None: not measured)."""
+    requests: RequestStats | None = None
+    """Rollout entries: requests served and time generating, held and idle in the window."""
+    staleness: Staleness | None = None
+    sync_held_s: float | None = None
+    """Rollout entries: seconds the replica held admission for the sync that ended the step, from
+    its stop with `pause` to the start (or resuming update, or hold expiry) that released it; the
+    profiler's finalize runs within it. Added when the hold ends (None: the stop did not pause)."""
+    """Trainer entries: staleness of the samples consumed by the step's mini-batches."""
     error: str | None = None
 
     @property
@@ -102,6 +155,9 @@ class SessionRecord(BaseModel):
         default_factory=dict, description="replica_id -> why it has no (complete) trace."
     )
     auto_stopped: str | None = None
+    clock_offsets: dict[str, ClockOffset] = Field(
+        default_factory=dict, description="replica_id -> its wall clock against the controller's."
+    )
 
 
 class ProcessAlignment(BaseModel):
@@ -116,9 +172,17 @@ class ProcessAlignment(BaseModel):
     absolute time, its first event placed at the entry's started_at; epoch: `ts` taken as unix
     microseconds."""
     offset_ns: int = 0
-    """Added to the trace's absolute time (`ts` plus `baseTimeNanoseconds`) to get wall clock."""
+    """Added to the trace's absolute time (`ts` plus `baseTimeNanoseconds`) to get the reference
+    clock: the in-process offset measured from the markers plus the entry's
+    `clock_offset.applied_ns` (`reference_offset_ns` where it exceeds its bound, else 0)."""
     uncertainty_ns: int | None = None
-    """Half the widest wall-clock bracket around a clock marker, less the marker's duration."""
+    """Half the widest wall-clock bracket around a clock marker, less the marker's duration, plus
+    `clock_offset.applied_bound_ns`."""
+    reference_offset_ns: int = 0
+    """The process's wall clock against the app's reference clock (the entry's `clock_offset`;
+    0 when not measured)."""
+    reference_bound_ns: int | None = None
+    """The error bound of `reference_offset_ns` (None: not measured)."""
     drift_ns: int | None = None
     """Offset measured at stop minus offset measured at start (both samples found)."""
 
@@ -171,6 +235,11 @@ class StepManifest(BaseModel):
                     by_key[base.key] = base.model_copy(
                         update={"status": "error", "exporting": False, "error": why}
                     )
+        if session is not None:  # the controller measured the replicas' clocks
+            for rid, offset in session.clock_offsets.items():
+                known = by_key.get(f"rollout/{rid}")
+                if known is not None and known.clock_offset is None:
+                    by_key[known.key] = known.model_copy(update={"clock_offset": offset})
         merged = sorted(by_key.values(), key=lambda e: e.key)
         if session is not None and session.stopped_at is None:
             status: ManifestStatus = "recording"

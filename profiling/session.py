@@ -5,8 +5,10 @@
 
 * start(k) while profiling/capped k is idempotent; start(j != k) is a conflict.
 * stop when idle is a no-op; stop(j != k) is a conflict.
-* cap: after `max_forward_steps` engine steps or `max_duration_s`, recording ends and the trace is
-  exported, but step k stays active until stopped, so the trainer's stop(k) still matches.
+* cap: after `max_forward_steps` engine steps or `max_duration_s`, or when one more step would
+  overfill the trace budget `max_trace_mb` (estimated from earlier traces), recording ends and
+  the trace is exported, but step k stays active until stopped, so the trainer's stop(k) still
+  matches.
 * `exporting` is reported when idle while traces are still being written.
 
 Every method except `status`/`wait_exported` must run on the thread that runs the model.
@@ -20,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor, Future
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, Field
@@ -29,6 +32,7 @@ from profiling.config import ProfileOptions
 from profiling.manifest import ClockSync, ManifestEntry
 from profiling.memory import release_freed_memory
 from profiling.store import TraceStore
+from profiling.trace_budget import MIB, StepSizeEstimate, budget_bytes, json_bytes_over
 
 SessionState = Literal["idle", "profiling", "capped", "exporting"]
 _KEEP_EXPORTS = 16
@@ -88,6 +92,7 @@ class ProfileSession:
         self._deadline: float | None = None
         self._exports: dict[int, Future[ManifestEntry]] = {}
         self._annotations: dict[int, dict[str, object]] = {}
+        self._step_sizes = StepSizeEstimate()
         self._lock = threading.Lock()
 
     # -- read from any thread ----------------------------------------------------------------
@@ -216,6 +221,8 @@ class ProfileSession:
         limit = self._spec.options.max_forward_steps
         if limit is not None and n + 1 >= limit:
             self._cap("max_forward_steps")
+        elif self._step_sizes.next_step_overflows(self._spec.options, n + 1):
+            self._cap("max_trace_mb")
         else:
             self.check_deadline()
 
@@ -234,7 +241,7 @@ class ProfileSession:
             self._cap("max_duration_s")
 
     # -- internals -----------------------------------------------------------------------------
-    def _cap(self, reason: Literal["max_forward_steps", "max_duration_s"]) -> None:
+    def _cap(self, reason: Literal["max_forward_steps", "max_duration_s", "max_trace_mb"]) -> None:
         assert self._entry is not None
         assert self._spec is not None and self._backend is not None
         self._entry.auto_stopped = reason
@@ -266,10 +273,11 @@ class ProfileSession:
         except Exception as e:  # noqa: BLE001 - recorded in the entry: the step stays accounted for
             entry.status, entry.error = "error", f"profiler stop failed: {e!r}"
         entry.finalize_s = time.perf_counter() - t0
-        fut = self._exporter.submit(self._export, spec.step, entry.model_copy(deep=True), trace)
+        fut = self._exporter.submit(self._export, spec, entry.model_copy(deep=True), trace)
         fut.add_done_callback(lambda f: _resolve(pending, f))
 
-    def _export(self, step: int, entry: ManifestEntry, trace: RecordedTrace | None) -> ManifestEntry:
+    def _export(self, spec: SessionSpec, entry: ManifestEntry, trace: RecordedTrace | None) -> ManifestEntry:
+        step = spec.step
         t0 = time.perf_counter()
         try:
             if trace is None:  # the profiler's stop failed: nothing to write, the error is recorded
@@ -280,6 +288,7 @@ class ProfileSession:
             entry.bytes = sum(p.stat().st_size for p in paths)
             if trace.forward_steps is not None:
                 entry.forward_steps = trace.forward_steps
+            self._account_budget(spec.options, entry, trace, paths)
         except Exception as e:  # noqa: BLE001 - any export failure is recorded, not raised
             entry.status, entry.files = "error", []
             entry.error = entry.error or f"trace export failed: {e!r}"
@@ -293,6 +302,20 @@ class ProfileSession:
         except OSError as e:
             entry.status, entry.error = "error", f"could not record the trace: {e}"
         return entry
+
+    def _account_budget(
+        self, options: ProfileOptions, entry: ManifestEntry, trace: RecordedTrace, paths: list[Path]
+    ) -> None:
+        """Record the trace's size against `max_trace_mb` in its entry, and learn from it what a
+        forward step costs (for the next window's early stop)."""
+        if trace.trace_bytes is not None:
+            entry.trace_mb = round(trace.trace_bytes / MIB, 3)
+            self._step_sizes.learn(options, trace.trace_bytes, entry.forward_steps)
+        if trace.cut is not None and trace.cut.events_dropped:
+            entry.truncated, entry.forward_steps_kept = True, trace.cut.forward_steps_kept
+        elif trace.trace_bytes is None and (budget := budget_bytes(options)) is not None:
+            # An engine-owned trace: written by the engine, not ours to cut; flagged instead.
+            entry.over_budget = json_bytes_over(paths, budget)
 
 
 def _resolve(pending: Future[ManifestEntry], done: Future[ManifestEntry]) -> None:

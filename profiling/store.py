@@ -2,8 +2,9 @@
 
     <save_path>/step_<k>/manifest.json
     <save_path>/step_<k>/session.json                 controller's record
-    <save_path>/step_<k>/rollout/<replica_id>/...     engine traces + entry.json
-    <save_path>/step_<k>/trainer/rank_<r>/...         trainer traces + entry.json
+    <save_path>/step_<k>/rollout/<replica_id>/...     engine traces + entry.record
+    <save_path>/step_<k>/trainer/rank_<r>/...         trainer traces + entry.record
+    <save_path>/step_<k>/ranks/                       every trace as a rank (profiling.analysis.tool_view)
     <save_path>/step_<k>/merged.trace.json.gz         one timeline (profiling.analysis.merge)
     <save_path>/step_<k>/merge.json                   the last merge's record
 """
@@ -25,7 +26,11 @@ from pydantic import BaseModel, ValidationError
 from profiling.config import MAX_STEP, check_safe_name
 from profiling.manifest import ManifestEntry, MergeRecord, SessionRecord, StepManifest
 
-ENTRY_FILE = "entry.json"
+ENTRY_FILE = "entry.record"
+"""A producer's manifest entry (JSON) beside its traces. Not `*.json`: trace tools (HTA,
+TensorBoard's profiler plugin) take every `*.json` / `*.gz` of a directory for a trace."""
+LEGACY_ENTRY_FILE = "entry.json"
+"""The entry's name before `entry.record`; still read, never written."""
 SESSION_FILE = "session.json"
 MANIFEST_FILE = "manifest.json"
 MERGE_FILE = "merge.json"
@@ -129,11 +134,16 @@ class TraceStore:
         return _read_model(self.step_dir(step) / SESSION_FILE, SessionRecord)
 
     def read_entries(self, step: int) -> list[ManifestEntry]:
-        step_dir = self.step_dir(step)
-        found = sorted(step_dir.glob(f"rollout/*/{ENTRY_FILE}")) + sorted(
-            step_dir.glob(f"trainer/*/{ENTRY_FILE}")
-        )
+        found = [p for kind in ("rollout", "trainer") for p in self._entry_files(step, kind)]
         return [e for e in (_read_model(p, ManifestEntry) for p in found) if e is not None]
+
+    def _entry_files(self, step: int, kind: str = "*") -> list[Path]:
+        """Each producer's entry under `<kind>/*/`, sorted; an `entry.json` of an older version
+        where its directory has no `entry.record`."""
+        step_dir = self.step_dir(step)
+        found = {p.parent: p for p in step_dir.glob(f"{kind}/*/{LEGACY_ENTRY_FILE}")}
+        found.update({p.parent: p for p in step_dir.glob(f"{kind}/*/{ENTRY_FILE}")})
+        return [found[d] for d in sorted(found)]
 
     def refresh_manifest(self, step: int) -> StepManifest:
         """Re-derive and atomically rewrite `manifest.json` from the step's records.
@@ -166,7 +176,7 @@ class TraceStore:
         is up to date."""
         step_dir = self.step_dir(step)
         h = hashlib.sha256()
-        for path in [step_dir / SESSION_FILE, *sorted(step_dir.glob(f"*/*/{ENTRY_FILE}"))]:
+        for path in [step_dir / SESSION_FILE, *self._entry_files(step)]:
             h.update(str(path.relative_to(step_dir)).encode())
             try:
                 h.update(path.read_bytes())

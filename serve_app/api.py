@@ -31,6 +31,12 @@ class StartProfileRequest(StrictModel):
     with_memory: bool | None = None
     max_forward_steps: int | None = Field(None, ge=1)
     max_duration_s: float | None = Field(None, gt=0, allow_inf_nan=False)
+    max_trace_mb: float | None = Field(
+        None,
+        gt=0,
+        allow_inf_nan=False,
+        description="This window's trace budget in MiB of trace JSON (default: the app's profiler.max_trace_mb).",
+    )
     tag: SafeName | None = None
 
 
@@ -122,6 +128,13 @@ class StatusResponse(BaseModel):
     weight_version: int
     paused: bool
     replicas: list[ReplicaReport]
+
+
+class ClockResponse(BaseModel):
+    time_ns: int = Field(
+        description="The app's reference clock (the controller's `time.time_ns()`) when it answered: "
+        "a trainer brackets the call with its own readings to measure its clock against the app's."
+    )
 
 
 class StepSummary(BaseModel):

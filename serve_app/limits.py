@@ -19,6 +19,9 @@ class StartLimits(StrictModel):
     and is refused)."""
     max_forward_steps: int | None = Field(100_000, ge=1)
     """Most engine steps a window may record; null: a start may ask for any number, or none."""
+    max_trace_mb: float | None = Field(8192.0, gt=0, allow_inf_nan=False)
+    """Largest trace budget (`max_trace_mb`) a window may ask for, in MiB of trace JSON; null: a
+    start may ask for any budget, or none."""
     record_shapes: bool = True
     """Whether a start may turn record_shapes on."""
     with_stack: bool = False
@@ -40,6 +43,10 @@ class StartLimits(StrictModel):
             found.append(
                 f"max_forward_steps {options.max_forward_steps} exceeds start_limits.max_forward_steps "
                 f"{self.max_forward_steps}"
+            )
+        if self.max_trace_mb is not None and (options.max_trace_mb is None or options.max_trace_mb > self.max_trace_mb):
+            found.append(
+                f"max_trace_mb {options.max_trace_mb} exceeds start_limits.max_trace_mb {self.max_trace_mb}"
             )
         for flag in ("record_shapes", "with_stack", "with_memory"):
             if getattr(options, flag) and not getattr(self, flag):

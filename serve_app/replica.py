@@ -183,6 +183,10 @@ class RolloutReplica:
     async def status(self) -> ReplicaReport:
         return self._report()
 
+    async def wall_clock(self) -> tuple[str, int]:
+        """This replica's id and `time.time_ns()`, for the controller's clock exchange."""
+        return self.replica_id, time.time_ns()
+
     async def export_report(self, step: int) -> ReplicaReport:
         """Answers once this replica's trace export for `step` has finished."""
         entry = await self.engine.wait_exported(step, self._args.export_timeout_s)

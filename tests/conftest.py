@@ -116,3 +116,30 @@ def app(ray_cluster, model_dir, tmp_path_factory) -> Iterator[ServeApp]:
     """A 2-replica app on the embedded engine, shared by one test module."""
     with deployed(ray_cluster, model_dir, tmp_path_factory.mktemp("app"), "rollout") as served:
         yield served
+
+
+_REPORT_SECTIONS = pytest.StashKey[dict[str, list[str]]]()
+
+
+@pytest.fixture
+def report_section(request) -> Callable[[str], Callable[..., None]]:
+    """`say = report_section(title)`: lines said go into a section of pytest's terminal summary,
+    shown on every run (not only on failure, as captured output is), e.g. measured figures."""
+
+    def open_section(title: str) -> Callable[..., None]:
+        lines = request.config.stash.setdefault(_REPORT_SECTIONS, {}).setdefault(title, [])
+
+        def say(*parts: object) -> None:
+            lines.extend(" ".join(map(str, parts)).strip("\n").splitlines())
+
+        return say
+
+    return open_section
+
+
+def pytest_terminal_summary(terminalreporter, config) -> None:
+    for title, lines in config.stash.get(_REPORT_SECTIONS, {}).items():
+        terminalreporter.section(title)
+        for line in lines:
+            terminalreporter.write_line(line)
+

@@ -90,11 +90,19 @@ def start(
     max_duration_s: Annotated[
         float | None, typer.Option(min=0.001, help="Cap the recording at this many seconds.")
     ] = None,
+    max_trace_mb: Annotated[
+        float | None, typer.Option(min=0.001, help="Trace budget per replica, MiB of trace JSON.")
+    ] = None,
     timeout: Timeout = 60.0,
     as_json: AsJson = False,
 ) -> None:
     """POST /profile/start: start profiling STEP on every replica."""
-    options = {"tag": tag, "max_forward_steps": max_forward_steps, "max_duration_s": max_duration_s}
+    options = {
+        "tag": tag,
+        "max_forward_steps": max_forward_steps,
+        "max_duration_s": max_duration_s,
+        "max_trace_mb": max_trace_mb,
+    }
     started = _call(
         url,
         token,

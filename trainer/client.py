@@ -15,8 +15,10 @@ from typing import Any, TypeVar
 import httpx
 from pydantic import BaseModel
 
-from profiling.manifest import StepManifest
+from profiling.clock_exchange import PINGS, ClockReading, offset_from, reversed_offset
+from profiling.manifest import ClockOffset, StepManifest
 from serve_app.api import (
+    ClockResponse,
     CompletionRequest,
     CompletionResponse,
     ModelList,
@@ -123,6 +125,18 @@ class RolloutClient:
 
     async def steps(self) -> StepsResponse:
         return await self._call("GET", "/profile/steps", StepsResponse, retry=True)
+
+    async def clock_offset(self, pings: int = PINGS) -> ClockOffset:
+        """This process's wall clock against the app's reference clock: `pings` exchanges with
+        `GET /profile/clock`, each bracketed by this process's readings, the tightest kept."""
+        readings = []
+        for _ in range(pings):
+            sent = time.time_ns()
+            answer = await self._call("GET", "/profile/clock", ClockResponse, retry=True)
+            readings.append(ClockReading(sent, answer.time_ns, time.time_ns()))
+        # Here this process brackets and the app answers: that measures the app's clock
+        # against this one, the reverse of what the manifest records.
+        return reversed_offset(offset_from(readings))
 
     async def step(self, k: int) -> StepManifest:
         return await self._call("GET", f"/profile/steps/{k}", StepManifest, retry=True)

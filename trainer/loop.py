@@ -153,7 +153,7 @@ async def _train_version(
     rewards: list[float] = []
     losses: list[float] = []
     staleness: list[int] = []
-    t0, taken = time.perf_counter(), 0
+    t0, taken, dropped = time.perf_counter(), 0, 0
     for _ in range(t.trigger_parameter_sync_step):
         batch: list[Sample] = []
         while len(batch) < t.mini_batch_size:
@@ -162,6 +162,7 @@ async def _train_version(
             lag = (version - 1) - sample.weight_version
             if lag > cfg.rollout.max_staleness:
                 result.dropped_stale += 1
+                dropped += 1
                 continue
             batch.append(sample)
             staleness.append(lag)
@@ -173,6 +174,7 @@ async def _train_version(
         losses.append(await loop.run_in_executor(executor, step))
         rewards.extend(s.reward for s in batch)
     elapsed = time.perf_counter() - t0
+    sync.consumed(version, staleness, dropped)
     return VersionStats(
         version=version,
         reward=sum(rewards) / len(rewards),

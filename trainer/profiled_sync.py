@@ -29,8 +29,9 @@ from profiling.config import ProfileOptions
 from profiling.manifest import ManifestEntry, SyncCost
 from profiling.schedule import StepSchedule, SyncPlan
 from profiling.session import ProfileSession, SessionSpec
+from profiling.step_stats import Staleness
 from profiling.store import TraceStore
-from trainer.client import RolloutClient
+from trainer.client import RolloutClient, RolloutError
 
 if TYPE_CHECKING:  # Ray only for trainers that publish through the object store
     import torch
@@ -85,6 +86,8 @@ class ProfiledWeightSync:
             else None
         )
         self._version = 0
+        self._staleness: dict[int, Staleness] = {}
+        """Window label -> staleness of the samples its mini-batches consumed so far."""
 
     async def __aenter__(self) -> ProfiledWeightSync:
         await self.begin()
@@ -102,6 +105,18 @@ class ProfiledWeightSync:
             return
         with self._session.forward_step(version):
             yield
+
+    def consumed(self, version: int, lags: list[int], dropped: int = 0) -> None:
+        """The mini-batches producing `version` consumed samples `lags` versions old (and
+        dropped `dropped` as too stale): recorded as the `staleness` of the trainer's entry of the
+        profiled window holding step `version` (nothing when that step is not profiled)."""
+        label = self.schedule.window_label(version)
+        if label is None or self._session is None:
+            return
+        so_far = self._staleness.pop(label, Staleness()).plus(lags, dropped)
+        if version != self.schedule.window_steps(label)[-1]:
+            self._staleness[label] = so_far  # a continuous window: later steps add to it
+        self._session.annotate(label, staleness=so_far)
 
     async def _on_model_thread(self, fn: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
@@ -181,8 +196,15 @@ class ProfiledWeightSync:
             return
         session = self._session
         await self._on_model_thread(lambda: session.stop(label))
-        if cost is not None:
-            session.annotate(label, sync=cost)
+        fields: dict[str, object] = {} if cost is None else {"sync": cost}
+        try:
+            # After the sync's calls, off the rollout's critical path: the merge needs this
+            # process's clock against the app's (docs/analysis.md#how-clocks-are-aligned).
+            fields["clock_offset"] = await self.client.clock_offset()
+        except (RolloutError, ValueError) as e:
+            log.warning("step %s: the trainer's clock was not measured against the app's: %s", label, e)
+        if fields:  # one annotation: a second one after the export would start from its entry again
+            session.annotate(label, **fields)
 
     async def wait_exported(self, timeout_s: float = 120.0) -> None:
         """Block until the trainer's trace exports are written (call before reading manifests)."""

@@ -1,5 +1,5 @@
 """The end of the run: the table (per profiled step, its files, the sync's cost, forward steps),
-and each step's merged timeline and HTML report."""
+and each step's merged timeline, trace-tool view (`ranks/`) and HTML report."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from rich.table import Table
 
 from profiling.analysis.merge import MergeError, merge_step
 from profiling.analysis.report import write_reports
+from profiling.analysis.tool_view import build_tool_view
 from profiling.manifest import StepManifest
 from profiling.store import TraceStore
 
@@ -51,8 +52,9 @@ def profile_table(manifests: dict[int, StepManifest | None]) -> Table:
 
 def finish_steps(store: TraceStore, labels: list[int], merge: bool) -> tuple[Path, list[str]]:
     """Make sure each step's merged timeline is current (`merge`: waits for a background merge
-    still running, merges if none did, retries one that failed), then write the steps' reports
-    and the index. Returns the index and the merge errors."""
+    still running, merges if none did, retries one that failed) and its `ranks/` view is written
+    (every trace as one rank, for HTA and TensorBoard), then write the steps' reports and the
+    index. Returns the index and the errors."""
     errors = []
     if merge:
         for k in labels:
@@ -61,6 +63,7 @@ def finish_steps(store: TraceStore, labels: list[int], merge: bool) -> tuple[Pat
                 last = store.read_merge(k)
                 if last is None or last.status != "ok":
                     merge_step(store, k)
-            except MergeError as e:
-                errors.append(str(e))
+                build_tool_view(store, k)
+            except (MergeError, OSError, ValueError) as e:
+                errors.append(f"step {k}: {e}")
     return write_reports(store, labels).index, errors

@@ -8,12 +8,19 @@ a range in the trace bracketed by `time.time_ns()` readings. The marker's midpoi
 and the midpoint of the bracket are the same instant, so their difference is the measured offset
 (error at most half the bracket, less half the marker's duration). Traces without markers fall
 back to `ts + baseTimeNanoseconds` (unmeasured), and the alignment says so.
+
+That maps a trace to its own process's wall clock. Processes on other nodes (or with a skewed
+clock) have other wall clocks, so each entry may also carry `clock_offset`: its wall clock against
+the app's reference clock (the controller's), measured by a clock exchange
+(`profiling.clock_exchange`). The timeline's mapping is the sum of both offsets, its uncertainty
+the sum of both bounds; an entry without `clock_offset` is taken to share the reference clock,
+and so is one whose offset lies within its bound of zero (`ClockOffset.applied_ns`).
 """
 
 from __future__ import annotations
 
 from profiling.analysis.events import Event
-from profiling.manifest import ClockSample, ManifestEntry, ProcessAlignment
+from profiling.manifest import ClockOffset, ClockSample, ManifestEntry, ProcessAlignment
 
 EPOCH_US_FLOOR = 1e15
 """Microseconds of 2001-09-09: a trace without `baseTimeNanoseconds` whose first `ts` is below
@@ -69,7 +76,7 @@ class ClockProbe:
         if measured:
             offsets = [o for o, _ in measured.values()]
             drift = measured["stop"][0] - measured["start"][0] if len(measured) == 2 else None
-            return ProcessAlignment(
+            local = ProcessAlignment(
                 key=key,
                 file=rel,
                 source="clock_sync",
@@ -77,14 +84,37 @@ class ClockProbe:
                 uncertainty_ns=round(max(u for _, u in measured.values())),
                 drift_ns=None if drift is None else round(drift),
             )
-        if base_ns is not None:
-            return ProcessAlignment(key=key, file=rel, source="baseTimeNanoseconds")
-        if self.min_ts is not None and self.min_ts < EPOCH_US_FLOOR and self.entry.started_at is not None:
+        elif base_ns is not None:
+            local = ProcessAlignment(key=key, file=rel, source="baseTimeNanoseconds")
+        elif self.min_ts is not None and self.min_ts < EPOCH_US_FLOOR and self.entry.started_at is not None:
             offset = round(self.entry.started_at * 1e9 - self.min_ts * 1000)
-            return ProcessAlignment(key=key, file=rel, source="started_at", offset_ns=offset)
-        return ProcessAlignment(key=key, file=rel, source="epoch")
+            local = ProcessAlignment(key=key, file=rel, source="started_at", offset_ns=offset)
+        else:
+            local = ProcessAlignment(key=key, file=rel, source="epoch")
+        return to_reference(local, self.entry.clock_offset)
+
+
+def to_reference(local: ProcessAlignment, offset: ClockOffset | None) -> ProcessAlignment:
+    """`local` (a trace mapped to its own process's wall clock) carried on to the reference
+    clock by the process's measured `offset`; unchanged when it was not measured."""
+    if offset is None:
+        return local
+    return local.model_copy(
+        update={
+            "offset_ns": local.offset_ns + offset.applied_ns,
+            "uncertainty_ns": None if local.uncertainty_ns is None else local.uncertainty_ns + offset.applied_bound_ns,
+            "reference_offset_ns": offset.offset_ns,
+            "reference_bound_ns": offset.bound_ns,
+        }
+    )
+
+
+def reference_s(entry: ManifestEntry, t: float) -> float:
+    """A time the process of `entry` read from its own wall clock (unix seconds: `started_at`,
+    `sync.began_at`), on the reference clock."""
+    return t if entry.clock_offset is None else t + entry.clock_offset.applied_ns / 1e9
 
 
 def wall_ns(ts_us: float, base_ns: int | None, alignment: ProcessAlignment) -> float:
-    """Wall-clock nanoseconds of a trace timestamp."""
+    """Reference-clock (wall-clock) nanoseconds of a trace timestamp."""
     return ts_us * 1000 + (base_ns or 0) + alignment.offset_ns

@@ -6,7 +6,6 @@ for the file. `sniff` decides from a file's head whether it is a Chrome trace at
 
 from __future__ import annotations
 
-import gzip
 import io
 import re
 import zlib
@@ -16,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import ijson
+from isal import igzip
 
 TRACE_SUFFIXES = (".json", ".json.gz")
 HEAD_BYTES = 256 * 1024
@@ -43,8 +43,9 @@ class TraceFormat:
 
 
 def open_binary(path: Path) -> io.BufferedIOBase:
-    """The file's decompressed bytes (gzip by suffix)."""
-    return gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")
+    """The file's decompressed bytes (gzip by suffix, gunzipped by ISA-L: several times zlib's
+    speed)."""
+    return igzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")
 
 
 def sniff(path: Path) -> TraceFormat:
@@ -74,7 +75,7 @@ def iter_events(
     """Every event of the trace, in file order. `on_progress(n)` is called with the number of
     on-disk bytes read since its last call (for progress bars)."""
     with open(path, "rb") as raw:
-        stream: io.BufferedIOBase = gzip.GzipFile(fileobj=raw) if path.name.endswith(".gz") else raw
+        stream: io.BufferedIOBase = igzip.GzipFile(fileobj=raw, mode="rb") if path.name.endswith(".gz") else raw
         reported = 0
         for i, ev in enumerate(ijson.items(stream, fmt.events_prefix, use_float=True), 1):
             if isinstance(ev, dict):

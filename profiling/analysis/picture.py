@@ -1,10 +1,12 @@
-"""The timeline picture of a step (PNG): one row per process, its profiling window, forward steps
-and weight updates, and a row with the trainer's control calls, on one wall-clock axis."""
+"""The pictures of a step (PNG). The timeline: one row per process, its profiling window, forward
+steps and weight updates, and a row with the trainer's control calls, on one wall-clock axis. The
+breakdown: one stacked bar per replica and per trainer rank, split by where its time went."""
 
 from __future__ import annotations
 
 import io
 
+from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
@@ -70,14 +72,12 @@ def timeline_png(summary: StepSummary, width_in: float = 12.0, dpi: int = 90) ->
         Patch(color=COLORS["update_weights"], label="update_weights"),
         Patch(color=COLORS["start"], label="start"),
     ]
-    ax.legend(
-        handles=legend,
-        loc="upper center",
-        bbox_to_anchor=(0.5, -0.18 - 0.4 / len(rows)),
-        ncol=len(legend),
-        fontsize=8,
-        frameon=False,
-    )
+    return _png_with_legend(fig, ax, legend, below=0.18 + 0.4 / len(rows))
+
+
+def _png_with_legend(fig: Figure, ax: Axes, legend: list[Patch], below: float) -> bytes:
+    """The figure as PNG bytes, with `legend` in one row `below` (axes fractions) the plot."""
+    ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -below), ncol=len(legend), fontsize=8, frameon=False)
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
@@ -87,3 +87,76 @@ def timeline_png(summary: StepSummary, width_in: float = 12.0, dpi: int = 90) ->
 def _row_name(key: str, versions: list[int]) -> str:
     label = key.replace("rollout/", "rollout ").replace("trainer/rank_", "trainer rank ")
     return label + (f" (v{','.join(map(str, versions))})" if versions else "")
+
+
+STATE_COLORS = {
+    "generating": "#3b75af",
+    "held": "#d1495b",
+    "held for the sync": "#eba0aa",
+    "idle": "#d9d9d9",
+    "finalizing": "#8e6bbf",
+    "exporting": "#b9a7d6",
+    "training": "#519e3e",
+    "sync": "#ef8636",
+    "other": "#eeeeee",
+}
+"""Colours of the breakdown picture's states (generating is the timeline's forward-step blue)."""
+
+
+def breakdown_png(summary: StepSummary, width_in: float = 12.0, dpi: int = 90) -> bytes | None:
+    """The RL step breakdown as PNG bytes: one stacked bar per replica (generating, held, idle,
+    finalizing, exporting) and one per trainer rank (training, sync, other, finalizing,
+    exporting), in seconds. None when no process has anything to draw."""
+    b = summary.breakdown
+    rows: list[tuple[str, list[tuple[str, float | None]]]] = [
+        (
+            f"rollout {r.replica_id}",
+            [
+                ("generating", r.generating_s),
+                ("held", r.held_s),
+                ("idle", r.idle_s),
+                ("held for the sync", _beyond(r.sync_held_s, r.finalizing_s)),
+                ("finalizing", r.finalizing_s),
+                ("exporting", r.exporting_s),
+            ],
+        )
+        for r in b.replicas
+    ]
+    rows += [
+        (
+            f"trainer rank {t.rank}",
+            [
+                ("training", t.training_s),
+                ("sync", t.sync_s),
+                ("other", t.other_s),
+                ("finalizing", t.finalizing_s),
+                ("exporting", t.exporting_s),
+            ],
+        )
+        for t in b.trainer
+    ]
+    if not any(v for _, parts in rows for _, v in parts):
+        return None
+    fig = Figure(figsize=(width_in, 1.4 + 0.45 * len(rows)), dpi=dpi)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    for y, (_, parts) in enumerate(rows):
+        left = 0.0
+        for state, seconds in parts:
+            if seconds:
+                ax.barh(y, seconds, left=left, height=0.6, color=STATE_COLORS[state], edgecolor="white", linewidth=0.5)
+                left += seconds
+    ax.set_yticks(range(len(rows)), [name for name, _ in rows], fontsize=8)
+    ax.set_ylim(len(rows) - 0.5, -0.5)
+    ax.set_xlabel("seconds (finalizing and exporting follow the window; exporting runs in the background)", fontsize=8)
+    ax.tick_params(axis="x", labelsize=8)
+    ax.grid(axis="x", color="#dddddd", linewidth=0.5)
+    ax.set_axisbelow(True)
+    ax.set_title(f"step {summary.step}: where each process's time went", fontsize=10)
+    legend = [Patch(color=c, label=s) for s, c in STATE_COLORS.items()]
+    return _png_with_legend(fig, ax, legend, below=0.2 + 0.4 / len(rows))
+
+
+def _beyond(held: float | None, finalizing: float | None) -> float | None:
+    """The sync's hold less the finalize that ran within it (drawn beside it, not twice)."""
+    return None if held is None else max(0.0, held - (finalizing or 0.0))

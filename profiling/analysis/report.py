@@ -12,7 +12,8 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from profiling.analysis.picture import timeline_png
+from profiling.analysis.breakdown import StepBreakdown
+from profiling.analysis.picture import breakdown_png, timeline_png
 from profiling.analysis.summary import ProcessSummary, StepSummary, summarize_step
 from profiling.store import MERGED_TRACE, TraceStore, atomic_write_text
 
@@ -72,6 +73,8 @@ def write_step_report(store: TraceStore, summary: StepSummary) -> Path:
             else f'<p class="note">No merged timeline yet: <code>python -m profiling merge {_e(str(store.root))} --step {summary.step}</code></p>'
         ),
         f'<img alt="timeline of step {summary.step}" src="data:image/png;base64,{png}">',
+        "<h2>RL step breakdown</h2>",
+        *_breakdown_section(summary),
         "<h2>Processes</h2>",
         _processes_table(summary.processes),
         "<h2>Across replicas</h2>",
@@ -162,7 +165,7 @@ def _skew_table(s: StepSummary) -> str:
         ),
         ("fastest mean forward step ms", _num(k.fastest_forward_mean_ms)),
     ]
-    return "<table>" + "".join(f'<tr><th class="l">{a}</th><td>{b}</td></tr>' for a, b in rows) + "</table>"
+    return _facts(rows)
 
 
 def _sync_table(s: StepSummary) -> str:
@@ -179,6 +182,97 @@ def _sync_table(s: StepSummary) -> str:
     )
 
 
+def _breakdown_section(s: StepSummary) -> list[str]:
+    b = s.breakdown
+    png = breakdown_png(s)
+    parts = [] if png is None else [
+        f'<img alt="breakdown of step {s.step}" src="data:image/png;base64,{base64.b64encode(png).decode()}">'
+    ]
+    return parts + [
+        _replicas_table(b),
+        _trainer_table(b),
+        _facts_table(b),
+        _slowest_table(b),
+        '<p class="note">In the window, generating: a request in flight and admission open; held: admission '
+        "held (a weight load, or a sync inside a continuous window); idle: neither. Held for the sync: from "
+        "the stop that ended the step to the start that released the replica; the profiler's finalize runs "
+        "within it, and exporting follows in the background. Imbalance: the largest replica's figure over "
+        "the mean.</p>",
+    ]
+
+
+def _replicas_table(b: StepBreakdown) -> str:
+    head = (
+        "<tr><th class='l'>replica</th><th>window s</th><th>generating s</th><th>held s</th><th>idle s</th>"
+        "<th>held for the sync s</th><th>finalizing s</th><th>exporting s</th><th>requests</th><th>failed</th><th>prompt tokens</th>"
+        "<th>output tokens</th><th>slowest s</th><th class='l'>versions served</th></tr>"
+    )
+    rows = "".join(
+        f'<tr><td class="l">{_e(r.replica_id)}</td><td>{_num(r.window_s)}</td><td>{_num(r.generating_s)}</td>'
+        f"<td>{_num(r.held_s)}</td><td>{_num(r.idle_s)}</td><td>{_num(r.sync_held_s)}</td><td>{_num(r.finalizing_s)}</td>"
+        f"<td>{_num(r.exporting_s)}</td><td>{r.requests}</td><td>{r.failed}</td><td>{r.prompt_tokens}</td>"
+        f'<td>{r.output_tokens}</td><td>{_num(r.slowest_s)}</td><td class="l">{_e(_versions(r.weight_versions))}</td></tr>'
+        for r in b.replicas
+    )
+    return "<table>" + head + rows + "</table>"
+
+
+def _trainer_table(b: StepBreakdown) -> str:
+    if not b.trainer:
+        return '<p class="note">No trainer entry in this step.</p>'
+    head = (
+        "<tr><th class='l'>trainer rank</th><th>window s</th><th>training s</th><th>sync s</th>"
+        "<th>other s</th><th>finalizing s</th><th>exporting s</th></tr>"
+    )
+    rows = "".join(
+        f'<tr><td class="l">{t.rank}</td><td>{_num(t.window_s)}</td><td>{_num(t.training_s)}</td><td>{_num(t.sync_s)}</td>'
+        f"<td>{_num(t.other_s)}</td><td>{_num(t.finalizing_s)}</td><td>{_num(t.exporting_s)}</td></tr>"
+        for t in b.trainer
+    )
+    return "<table>" + head + rows + "</table>"
+
+
+def _facts_table(b: StepBreakdown) -> str:
+    i, st = b.imbalance, b.staleness
+    rows = [
+        ("requests answered (output tokens)", f"{b.requests} ({b.output_tokens})"),
+        ("weight versions served (requests)", _e(_versions(b.weight_versions_served)) or "-"),
+        (
+            "imbalance: generating, tokens, requests (max / mean)",
+            f"{_num(i.generating_max_over_mean)}, {_num(i.output_tokens_max_over_mean)}, {_num(i.requests_max_over_mean)}",
+        ),
+        ("busiest → least busy replica", f"{_e(i.busiest or '-')} → {_e(i.least_busy or '-')}"),
+        (
+            "staleness of consumed samples: mean, max (samples, dropped)",
+            "-" if st is None else f"{_num(st.mean)}, {st.max} ({st.samples}, {st.dropped})",
+        ),
+        (
+            "staleness histogram (versions behind: samples)",
+            "-" if st is None else _e(", ".join(f"{k}: {n}" for k, n in st.histogram.items())),
+        ),
+    ]
+    return _facts(rows)
+
+
+def _slowest_table(b: StepBreakdown) -> str:
+    if not b.slowest_requests:
+        return '<p class="note">No requests were answered in this step\'s windows.</p>'
+    rows = "".join(
+        f'<tr><td class="l">{_e(r.replica_id or "-")}</td><td>{r.latency_s:.3f}</td><td>{r.prompt_tokens}</td>'
+        f'<td>{r.output_tokens}</td><td class="l">{_e(",".join(f"v{v}" for v in r.weight_versions))}</td>'
+        f"<td>{_e(_when(r.finished_at))}</td></tr>"
+        for r in b.slowest_requests
+    )
+    return (
+        "<h3>Slowest requests</h3><table><tr><th class='l'>replica</th><th>latency s</th><th>prompt tokens</th>"
+        "<th>output tokens</th><th class='l'>versions</th><th>finished at</th></tr>" + rows + "</table>"
+    )
+
+
+def _versions(counts: dict[int, int]) -> str:
+    return ", ".join(f"v{v}: {n}" for v, n in counts.items())
+
+
 def _ops_table(p: ProcessSummary) -> str:
     rows = "".join(
         f'<tr><td class="l">{_e(o.name)}</td><td>{o.count}</td><td>{o.self_ms:.3f}</td></tr>'
@@ -191,16 +285,26 @@ def _alignment_table(s: StepSummary) -> str:
     rows = "".join(
         f'<tr><td class="l">{_e(a.key)}</td><td class="l">{_e(a.file)}</td><td class="l">{_e(a.source)}</td>'
         f"<td>{a.offset_ns / 1000:.1f}</td><td>{_num(None if a.uncertainty_ns is None else a.uncertainty_ns / 1000)}</td>"
-        f"<td>{_num(None if a.drift_ns is None else a.drift_ns / 1000)}</td></tr>"
+        f"<td>{_num(None if a.drift_ns is None else a.drift_ns / 1000)}</td>"
+        f"<td>{a.reference_offset_ns / 1000:.1f}</td>"
+        f"<td>{_num(None if a.reference_bound_ns is None else a.reference_bound_ns / 1000)}</td></tr>"
         for p in s.processes
         for a in p.alignment
     )
     return (
         "<table><tr><th class='l'>process</th><th class='l'>file</th><th class='l'>source</th><th>offset µs</th>"
-        "<th>± µs</th><th>drift µs</th></tr>" + rows + "</table>"
+        "<th>± µs</th><th>drift µs</th><th>clock vs app µs</th><th>± µs</th></tr>" + rows + "</table>"
         '<p class="note">clock_sync: offset measured from markers bracketed by wall-clock readings; '
-        "baseTimeNanoseconds: the trace's own time taken as wall clock (not measured).</p>"
+        "baseTimeNanoseconds: the trace's own time taken as wall clock (not measured). "
+        "clock vs app: the process's wall clock against the app controller's, measured by a clock "
+        "exchange (- : not measured, taken as the same clock); it is part of the offset, and its "
+        "bound part of the ±.</p>"
     )
+
+
+def _facts(rows: list[tuple[str, str]]) -> str:
+    """A two-column table: a fact's name, its value."""
+    return "<table>" + "".join(f'<tr><th class="l">{a}</th><td>{b}</td></tr>' for a, b in rows) + "</table>"
 
 
 def _page(title: str, parts: list[str]) -> str:

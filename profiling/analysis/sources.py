@@ -13,6 +13,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
+from profiling.analysis.clocks import reference_s
 from profiling.analysis.events import NotATrace, TraceFormat, sniff
 from profiling.manifest import ManifestEntry, StepManifest
 from profiling.store import TraceStore
@@ -27,7 +28,7 @@ class ControlCall(BaseModel):
 
     name: str
     start: float
-    """Unix seconds."""
+    """Unix seconds on the reference clock (the app controller's)."""
     dur_s: float
     caller: str
 
@@ -49,13 +50,14 @@ def load_manifest(store: TraceStore, step: int) -> StepManifest:
 
 def control_calls(manifest: StepManifest) -> list[ControlCall]:
     """stop / update_weights / start of the sync that ended the step, placed from each trainer
-    entry's `sync.began_at` and measured durations (the calls run back to back)."""
+    entry's `sync.began_at` (on the reference clock: the trainer's `clock_offset` added) and
+    measured durations (the calls run back to back)."""
     calls = []
     for e in group_order(manifest.entries):
         s = e.sync
         if e.role != "trainer" or s is None or s.began_at is None:
             continue
-        at = s.began_at
+        at = reference_s(e, s.began_at)
         for name, dur in (
             (f"stop step {manifest.step}", s.stop_s),
             (f"update_weights v{manifest.steps[-1]}", s.update_s),

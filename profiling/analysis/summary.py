@@ -2,7 +2,8 @@
 
 Per process: time in engine-step ranges (`profiling.step_ranges`: the engine steps of a replica,
 the mini-batches of the trainer), ops ranked by self time, time in weight updates, and profiler
-overhead. Across replicas: how far apart they started and stopped, and the slowest one.
+overhead. Across replicas: how far apart they started and stopped, and the slowest one. The RL
+step breakdown (`breakdown.py`) comes from the manifest's records.
 
 Each trace is read once, streaming; only three numbers per complete event (start, duration, name
 id) are kept, per thread, to compute self times (a range's duration less its direct children's).
@@ -19,7 +20,8 @@ import ijson
 import numpy as np
 from pydantic import BaseModel, Field
 
-from profiling.analysis.clocks import ClockProbe, wall_ns
+from profiling.analysis.breakdown import StepBreakdown, step_breakdown
+from profiling.analysis.clocks import ClockProbe, reference_s, wall_ns
 from profiling.analysis.events import iter_events
 from profiling.analysis.sources import (
     ControlCall,
@@ -109,7 +111,7 @@ class Skew(BaseModel):
 
     replicas: int = 0
     start_spread_ms: float | None = None
-    """Latest minus earliest replica start (each replica's own wall clock)."""
+    """Latest minus earliest replica start (on the app's reference clock, where measured)."""
     stop_spread_ms: float | None = None
     first_to_start: str | None = None
     last_to_start: str | None = None
@@ -134,6 +136,9 @@ class StepSummary(BaseModel):
     control: list[ControlCall] = Field(default_factory=list)
     processes: list[ProcessSummary] = Field(default_factory=list)
     skew: Skew = Field(default_factory=Skew)
+    breakdown: StepBreakdown = Field(default_factory=StepBreakdown)
+    """The RL step breakdown: states, requests and tokens per replica, the trainer ranks,
+    imbalance, slowest requests, weight versions served, staleness."""
     skipped: list[str] = Field(default_factory=list)
 
     def by_role(self, role: Role) -> list[ProcessSummary]:
@@ -210,8 +215,8 @@ class _ProcessReader:
             status=entry.status,
             error=entry.error,
             weight_versions=entry.weight_versions,
-            started_at=entry.started_at,
-            stopped_at=entry.stopped_at,
+            started_at=None if entry.started_at is None else reference_s(entry, entry.started_at),
+            stopped_at=None if entry.stopped_at is None else reference_s(entry, entry.stopped_at),
             overhead=Overhead(
                 finalize_ms=None if entry.finalize_s is None else round(entry.finalize_s * 1000, 3),
                 export_ms=None if entry.export_s is None else round(entry.export_s * 1000, 3),
@@ -317,6 +322,7 @@ def summarize_manifest(
         control=control_calls(manifest),
         processes=processes,
         skew=_skew([p for p in processes if p.role == "rollout"]),
+        breakdown=step_breakdown(group_order(manifest.entries), {p.key: p.forward_ms for p in processes}),
         skipped=skipped,
     )
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from profiling.config import ProfileOptions
 from profiling.manifest import ClockSample
+from profiling.trace_budget import TraceCut
 
 
 class ProfilerStateError(RuntimeError):
@@ -20,6 +21,11 @@ class RecordedTrace(ABC):
 
     forward_steps: int | None = None
     """Engine steps found in the trace by `export`, for tools that cannot count them live."""
+    trace_bytes: int | None = None
+    """Size of the trace's JSON as exported, before compression and any cut (None: the export
+    does not measure it)."""
+    cut: TraceCut | None = None
+    """Set by an export that cut the trace to its budget (`max_trace_mb`)."""
 
     @abstractmethod
     def export(self, out_dir: Path) -> list[Path]:

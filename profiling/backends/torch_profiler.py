@@ -15,7 +15,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from profiling.backends.base import ProfilerBackend, RecordedTrace
+from profiling.config import ProfileOptions
 from profiling.manifest import ClockSample
+from profiling.trace_budget import MIB, cut_trace
 
 TRACE_FILE = "trace.pt.trace.json.gz"
 GZIP_LEVEL = 1
@@ -55,8 +57,9 @@ def init_kineto() -> None:
 
 
 class TorchRecordedTrace(RecordedTrace):
-    def __init__(self, prof: profile):
+    def __init__(self, prof: profile, options: ProfileOptions):
         self._prof: profile | None = prof
+        self._options = options
 
     def export(self, out_dir: Path) -> list[Path]:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -73,8 +76,14 @@ class TorchRecordedTrace(RecordedTrace):
             # dead recordings piled up, hundreds of MB each.
             prof.profiler = None
         try:
-            with open(plain, "rb") as src, gzip.open(packed, "wb", compresslevel=GZIP_LEVEL) as dst:
-                shutil.copyfileobj(src, dst, 1 << 20)
+            self.trace_bytes = plain.stat().st_size
+            limit = self._options.max_trace_mb
+            with gzip.open(packed, "wb", compresslevel=GZIP_LEVEL) as dst:
+                if limit is not None and self.trace_bytes > limit * MIB:
+                    self.cut = cut_trace(plain, dst, limit)
+                else:
+                    with open(plain, "rb") as src:
+                        shutil.copyfileobj(src, dst, 1 << 20)
             packed.replace(path)
         finally:
             plain.unlink(missing_ok=True)
@@ -103,7 +112,7 @@ class TorchProfilerBackend(ProfilerBackend):
         prof, self._prof = self._prof, None
         assert prof is not None  # stop() only calls _stop after a successful _start
         prof.stop()
-        return TorchRecordedTrace(prof)
+        return TorchRecordedTrace(prof, self.options)
 
     @contextlib.contextmanager
     def mark(self, name: str) -> Iterator[None]:

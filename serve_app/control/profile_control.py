@@ -18,6 +18,7 @@ from serve_app.api import (
     StopProfileResponse,
 )
 from serve_app.config import AppArgs
+from serve_app.control.clock_exchange import measure_replicas
 from serve_app.control.fleet import Fleet, broadcast
 from serve_app.control.step_records import StepRecords
 from serve_app.errors import BacklogFull, Conflict, ControlError, Refused, Unavailable
@@ -88,6 +89,7 @@ class ProfileControl:
                 detail = f"no replica started step {spec.step}: " + "; ".join(f"{r.replica_id}: {r.error}" for r in reports)
                 raise (Refused if any(r.refused for r in reports) else Unavailable)(detail, reports)
             self._records.started(spec.step, record, {r.replica_id for r in reports if r.ok})
+            self._records.background(self._measure_clocks(spec.step))
             self._arm_watchdog(spec)
             return StartProfileResponse(step=spec.step, steps=spec.steps, state="profiling", replicas=reports)
 
@@ -154,6 +156,7 @@ class ProfileControl:
                 self._watchdog.cancel()
             self._watchdog = None
             self._records.stopped(step, time.time(), reason, reports)
+            self._records.background(self._measure_clocks(step))
             self._exporting.add(step)
             self._records.background(self._collect_exports(step, {r.replica_id for r in reports if r.ok and r.files}))
             return StopProfileResponse(
@@ -163,6 +166,12 @@ class ProfileControl:
                 manifest=str(self._records.store.step_dir(step) / "manifest.json"),
                 critical_path_s=critical_path_s,
             )
+
+    async def _measure_clocks(self, step: int) -> None:
+        """Measure every replica's clock against this controller's (the app's reference clock)
+        after a start or stop has answered, and record it with the step (docs/analysis.md)."""
+        offsets = await measure_replicas(self._fleet.replicas, timeout_s=self._args.control_timeout_s)
+        self._records.clocks_measured(step, offsets)
 
     async def _collect_exports(self, step: int, replica_ids: set[str]) -> None:
         """Wait for every replica's export; record those that failed or never finished."""

@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from profiling.clock_exchange import tightest
 from profiling.config import MAX_STEP
-from profiling.manifest import SessionRecord, StepManifest
+from profiling.manifest import ClockOffset, SessionRecord, StepManifest
 from profiling.store import StorageError, TraceStore
 from serve_app.api import ReplicaReport, StepsResponse, StepSummary
 from serve_app.errors import InsufficientStorage, NotFound
@@ -112,6 +113,21 @@ class StepRecords:
             self.store.refresh_manifest(step)
 
         self._after(step, write, failed)
+
+    def clocks_measured(self, step: int, offsets: dict[str, ClockOffset]) -> None:
+        """After a clock exchange with the replicas: each one's offset against the controller's
+        clock, the tightest measured for the step so far kept."""
+
+        def write() -> None:
+            record = self.store.read_session(step)
+            if record is None or not offsets:
+                return
+            for rid, offset in offsets.items():
+                record.clock_offsets[rid] = tightest(record.clock_offsets.get(rid), offset) or offset
+            self.store.write_session(step, record)
+            self.store.refresh_manifest(step)
+
+        self._after(step, write)
 
     def exported(self, step: int, failed: dict[str, str]) -> None:
         """After every replica's export of `step` finished or was given up: the traces lost."""

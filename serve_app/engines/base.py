@@ -38,6 +38,7 @@ from profiling.session import BackendFactory, ProfileSession, SessionSpec, Sessi
 from serve_app.config import AppArgs
 from serve_app.engines.control_thread import ControlThread
 from serve_app.engines.options import ENGINE_OPTIONS
+from serve_app.engines.request_stats import RequestAccounting
 from serve_app.engines.tokenizer import HfTokenizerMixin
 from serve_app.weights import check_checkpoint
 
@@ -144,9 +145,13 @@ class RolloutEngine(HfTokenizerMixin, ABC, Generic[W]):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._held = False
         self._hold_timer: asyncio.TimerHandle | None = None
+        # (step, monotonic time) of a hold begun by the stop of `step`: its length goes to the entry.
+        self._sync_hold: tuple[int, float] | None = None
         self._engine_paused = False
         # Requests in flight -> the weight versions the engine ran while each was in flight.
         self._in_flight = InFlightVersions()
+        # Requests and generating/held/idle time per profiling window, for the step's entry.
+        self._requests = RequestAccounting()
 
     # -- hooks ---------------------------------------------------------------------------------
     @abstractmethod
@@ -198,7 +203,18 @@ class RolloutEngine(HfTokenizerMixin, ABC, Generic[W]):
     # -- generation --------------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         self.check_prompt(request.prompt_token_ids)
-        return await self._generate(request)
+        entered = self._requests.entered()
+        result: GenerateResult | None = None
+        try:
+            result = await self._generate(request)
+            return result
+        finally:
+            self._requests.finished(
+                entered,
+                len(request.prompt_token_ids),
+                None if result is None else len(result.token_ids),
+                () if result is None else result.weight_versions,
+            )
 
     def versions_seen(self) -> contextlib.AbstractContextManager[set[int]]:
         """Around one request of an engine that reports no per-token version: the weight versions
@@ -212,7 +228,10 @@ class RolloutEngine(HfTokenizerMixin, ABC, Generic[W]):
         async with self._control:
             try:
                 self._options.check_profiler(spec.options, self._built_profiler)
-                return await self._on_thread(lambda: self._session.start(spec, self.weight_version))
+                started = await self._on_thread(lambda: self._session.start(spec, self.weight_version))
+                if started:
+                    self._requests.open()
+                return started
             finally:
                 await self._release()
 
@@ -223,6 +242,8 @@ class RolloutEngine(HfTokenizerMixin, ABC, Generic[W]):
         await self._control.acquire()
         try:
             if pause:
+                if not self._held and step is not None and step == self.active_step:
+                    self._sync_hold = (step, time.monotonic())
                 await self._hold()
         except BaseException:
             self._control.release()
@@ -241,11 +262,19 @@ class RolloutEngine(HfTokenizerMixin, ABC, Generic[W]):
             time.sleep(_ACK_GRACE_S)
 
         closes_at_ack = pause or self.steps_on_control_thread
+        # The control lock is held, so no start or stop changes the active step meanwhile.
+        requests = self._requests.close() if step is not None and step == self.active_step else None
+
+        def closed(outcome: StopOutcome) -> None:  # before the export is handed off: it applies this
+            if outcome.stopped and requests is not None and step is not None:
+                self._session.annotate(step, requests=requests)
+            if closes_at_ack:
+                ack(outcome)
 
         def stop() -> StopOutcome:
             if step is None:
                 return StopOutcome(step=None, stopped=False)
-            return self._session.stop(step, ack if closes_at_ack else None)
+            return self._session.stop(step, closed)
 
         done = asyncio.ensure_future(self._on_thread(stop))
         done.add_done_callback(lambda _: self._control.release())
@@ -331,10 +360,12 @@ class RolloutEngine(HfTokenizerMixin, ABC, Generic[W]):
     async def _pause_engine(self) -> None:
         await self._pause()
         self._engine_paused = True
+        self._requests.paused(True)
 
     async def _resume_engine(self) -> None:
         await self._resume()
         self._engine_paused = False
+        self._requests.paused(False)
         self._in_flight.ran(self.weight_version)
 
     async def _hold(self) -> None:
@@ -363,6 +394,10 @@ class RolloutEngine(HfTokenizerMixin, ABC, Generic[W]):
         if self._held:
             await self._resume_engine()
             self._held = False
+            if self._sync_hold is not None:
+                step, began = self._sync_hold
+                self._session.annotate(step, sync_held_s=round(time.monotonic() - began, 6))
+        self._sync_hold = None
 
 
 def _max_positions(model_dir: Path) -> int | None:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import time
+
 from fastapi import Depends
 
 from profiling.manifest import StepManifest
 from serve_app.api import (
+    ClockResponse,
     ErrorResponse,
     StartProfileRequest,
     StartProfileResponse,
@@ -38,6 +41,7 @@ class ProfileRoutesMixin:
         "start_profile": lambda app: app.post("/profile/start", responses=_errors, **_guard),
         "stop_profile": lambda app: app.post("/profile/stop", responses=_stop_errors, **_guard),
         "profile_status": lambda app: app.get("/profile/status", **_guard),
+        "profile_clock": lambda app: app.get("/profile/clock", **_guard),
         "profile_steps": lambda app: app.get("/profile/steps", responses={507: _unreadable}, **_guard),
         "profile_step": lambda app: app.get(
             "/profile/steps/{k}", responses={404: {"model": ErrorResponse}, 507: _unreadable}, **_guard
@@ -55,6 +59,10 @@ class ProfileRoutesMixin:
     async def profile_status(self) -> StatusResponse:
         """Active step, weight version, and each replica's state."""
         return await self.profile_control.status()
+
+    async def profile_clock(self) -> ClockResponse:
+        """The app's reference clock, for a trainer's clock exchange (docs/analysis.md)."""
+        return ClockResponse(time_ns=time.time_ns())
 
     async def profile_steps(self) -> StepsResponse:
         """Every recorded step under save_path with its manifest status."""

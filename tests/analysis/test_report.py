@@ -5,10 +5,15 @@ from __future__ import annotations
 import base64
 import re
 
+import numpy as np
+
+from profiling.analysis.picture import STATE_COLORS
 from profiling.analysis.report import write_reports
+from profiling.step_stats import Staleness
 
 from .browser import assert_report_rendered, screenshot
 from .synth import Ev, Proc, forward, write_step
+from .test_summary import stats, with_records
 
 MS = 1_000_000
 
@@ -41,6 +46,12 @@ def write_steps(store) -> None:
             )
         )
         write_step(store, k, procs, sync_at_ns=41 * MS, sync=(0.004, 0.012, 0.003))
+        with_records(
+            store,
+            k,
+            {"r0": stats(0.030, 0.004, 0.006, 12, 190, [0.021], k - 1), "r1": stats(0.020, 0.004, 0.016, 6, 96, [0.033], k - 1)},
+            Staleness().plus([0, 1, 1]),
+        )
 
 
 def test_reports_are_self_contained(store):
@@ -50,13 +61,17 @@ def test_reports_are_self_contained(store):
     for k, page in result.pages.items():
         html = page.read_text()
         assert f"<h1>Step {k}</h1>" in html
-        [png] = re.findall(r'src="data:image/png;base64,([^"]+)"', html)
-        assert base64.b64decode(png).startswith(b"\x89PNG")
+        pngs = re.findall(r'src="data:image/png;base64,([^"]+)"', html)
+        assert len(pngs) == 2  # the timeline and the RL step breakdown
+        assert all(base64.b64decode(png).startswith(b"\x89PNG") for png in pngs)
         # nothing loaded from anywhere: no external src/href, no scripts, no @import/url()
         assert (
             not re.search(r'(src|href)="(https?:)?//', html) and "<script" not in html and "url(" not in html
         )
         for text in ("rollout/r0", "trainer/rank_0", "aten::mm", "start spread", "stop step", "clock_sync"):
+            assert text in html, text
+        # the RL step breakdown: the replicas' states, imbalance, long tail, versions, staleness
+        for text in ("RL step breakdown", "generating s", "held s", "1.200", "Slowest requests", "0.033", f"v{k - 1}: 18", "0: 1, 1: 2"):
             assert text in html, text
     index = result.index.read_text()
     assert 'href="step_1/report.html"' in index and 'href="step_2/report.html"' in index
@@ -65,6 +80,10 @@ def test_reports_are_self_contained(store):
 def test_report_renders_in_headless_chromium(store, tmp_path):
     write_steps(store)
     result = write_reports(store)
-    assert_report_rendered(screenshot(result.pages[1], tmp_path / "step1.png"))
+    pixels = screenshot(result.pages[1], tmp_path / "step1.png")
+    assert_report_rendered(pixels)
+    held_rgb = np.array([int(STATE_COLORS["held"][i : i + 2], 16) for i in (1, 3, 5)]) / 255
+    held = (abs(pixels - held_rgb) < 0.03).all(axis=-1).sum()
+    assert held > 50, f"the breakdown picture is not on screen ({held} pixels of its 'held' colour)"
     index = screenshot(result.index, tmp_path / "index.png", height=400)
     assert (index < 0.95).any(axis=-1).mean() > 0.005, "the index page rendered blank"

@@ -9,6 +9,7 @@ import pytest
 
 from profiling.analysis.diff import diff_steps
 from profiling.analysis.summary import _self_times, summarize_step
+from profiling.step_stats import RequestStats, SlowRequest, Staleness
 
 from .synth import Ev, Proc, forward, write_step
 
@@ -135,3 +136,98 @@ def test_a_trace_that_breaks_half_way_is_left_out_whole(store):
     assert [x.split(":")[0] for x in s.skipped] == ["rollout/r0/cut.pt.trace.json.gz"]
     assert "unreadable trace" in s.skipped[0]
     assert p.trace_files == 1 and {o.name: o.count for o in p.ops}["aten::mm"] == 4
+
+
+def with_records(store, step: int, requests: dict[str, RequestStats], staleness: Staleness | None = None) -> None:
+    """Give the step's entries the records the replicas and the trainer annotate them with."""
+    for e in store.read_entries(step):
+        if e.role == "rollout" and e.replica_id in requests:
+            store.write_entry(step, e.model_copy(update={"requests": requests[e.replica_id]}))
+        elif e.role == "trainer" and staleness is not None:
+            store.write_entry(step, e.model_copy(update={"staleness": staleness}))
+    store.refresh_manifest(step)
+
+
+def stats(generating: float, held: float, idle: float, requests: int, tokens: int, slow: list[float], v: int):
+    return RequestStats(
+        started_at=1.0,
+        stopped_at=1.0 + generating + held + idle,
+        window_s=generating + held + idle,
+        generating_s=generating,
+        held_s=held,
+        idle_s=idle,
+        requests=requests,
+        prompt_tokens=requests * 4,
+        output_tokens=tokens,
+        weight_versions={v: requests},
+        slowest=[
+            SlowRequest(latency_s=x, prompt_tokens=4, output_tokens=16, weight_versions=[v], finished_at=2.0)
+            for x in slow
+        ],
+    )
+
+
+def rl_step(store, step: int, r1_generating: float) -> None:
+    write_step(
+        store,
+        step,
+        [
+            replica("r0", 500.0, 200.0, 0, 12, step=step),
+            replica("r1", 500.0, 200.0, 0, 12, step=step),
+            Proc("trainer", "0", os_pid=7, events=forward(0, step, step - 1, 2 * MS, 900.0), window=(MS, 10 * MS)),
+        ],
+        sync_at_ns=15 * MS,
+        sync=(0.001, 0.002, 0.001),
+    )
+    with_records(
+        store,
+        step,
+        {
+            "r0": stats(3.0, 0.5, 0.5, 30, 480, [0.9, 0.4], step - 1),
+            "r1": stats(r1_generating, 0.5, 4.0 - r1_generating, 10, 160, [2.5], step - 1),
+        },
+        Staleness().plus([0, 0, 1, 2], dropped=1),
+    )
+
+
+def test_the_rl_step_breakdown(store):
+    rl_step(store, 1, r1_generating=1.0)
+    b = summarize_step(store, 1).breakdown
+    r0, r1 = b.replicas
+    assert (r0.replica_id, r0.generating_s, r0.held_s, r0.idle_s) == ("r0", 3.0, 0.5, 0.5)
+    # finalizing and exporting: the entry's finalize_s and export_s
+    assert (r0.finalizing_s, r0.exporting_s) == (pytest.approx(0.05), pytest.approx(0.2))
+    assert (r1.requests, r1.output_tokens, r1.slowest_s) == (10, 160, 2.5)
+    # imbalance: max over mean of the replicas' time generating (3 / 2) and tokens (480 / 320)
+    assert b.imbalance.generating_max_over_mean == pytest.approx(1.5)
+    assert b.imbalance.output_tokens_max_over_mean == pytest.approx(1.5)
+    assert (b.imbalance.busiest, b.imbalance.least_busy) == ("r0", "r1")
+    # the long tail over every replica, slowest first, naming the replica
+    assert [(s.replica_id, s.latency_s) for s in b.slowest_requests] == [("r1", 2.5), ("r0", 0.9), ("r0", 0.4)]
+    assert b.weight_versions_served == {0: 40} and (b.requests, b.output_tokens) == (40, 640)
+    assert b.staleness is not None and b.staleness.histogram == {0: 2, 1: 1, 2: 1} and b.staleness.max == 2
+    [t] = b.trainer
+    # trainer window 9 ms: 0.9 ms training, 4 ms in the sync, the rest other
+    assert t.training_s == pytest.approx(0.0009) and t.sync_s == pytest.approx(0.004)
+    assert t.other_s == pytest.approx(0.009 - 0.0009 - 0.004)
+    dumped = summarize_step(store, 1).model_dump(mode="json")["breakdown"]
+    assert dumped["weight_versions_served"] == {"0": 40} and dumped["replicas"][0]["generating_s"] == 3.0
+
+
+def test_a_step_without_records_has_an_empty_breakdown(store):
+    write_step(store, 1, [replica("r0", 500.0, 200.0, 0, 12)])
+    b = summarize_step(store, 1).breakdown
+    [r0] = b.replicas
+    assert r0.generating_s is None and r0.finalizing_s == pytest.approx(0.05)
+    assert b.imbalance.replicas == 0 and b.imbalance.generating_max_over_mean is None and b.staleness is None
+
+
+def test_diff_covers_the_breakdown(store):
+    rl_step(store, 1, r1_generating=1.0)
+    rl_step(store, 2, r1_generating=3.0)
+    d = {c.name: c for c in diff_steps(summarize_step(store, 1), summarize_step(store, 2)).breakdown}
+    gen = d["rollout generating, all replicas"]
+    assert (gen.unit, gen.a, gen.b, gen.delta) == ("s", 4.0, 6.0, 2.0)
+    assert d["rollout idle, all replicas"].delta == pytest.approx(-2.0)
+    assert d["imbalance: generating"].b == pytest.approx(1.0) and d["imbalance: generating"].ratio == pytest.approx(0.667)
+    assert d["staleness, max"].a == 2 and d["slowest request"].b == 2.5

@@ -161,3 +161,54 @@ def test_last_step_export_survives_the_end_of_the_job(tmp_path):
     leftovers = [str(p) for p in run.profile.rglob("*.tmp*")]
     check_step(run, 2)
     assert not leftovers, f"half-written exports left behind: {leftovers}"
+
+
+@pytest.mark.parametrize("k", [1, 5])
+def test_main_job_reports_the_rl_step_breakdown(main_job, k):
+    """Each replica's entry accounts for its window (generating + held + idle), its requests and
+    the versions it served; the trainer's records the staleness of what it consumed; summarize and
+    the report show the breakdown."""
+    from profiling.analysis.summary import summarize_step
+    from profiling.store import TraceStore
+
+    assert main_job.returncode == 0, main_job.log
+    m = read_manifest(main_job.profile, k)
+    for e in by_role(m, "rollout"):
+        r = e["requests"]
+        assert r is not None, f"step {k}, replica {e['replica_id']}: no request accounting"
+        assert r["generating_s"] + r["held_s"] + r["idle_s"] == pytest.approx(r["window_s"], abs=1e-3), r
+        assert r["generating_s"] > 0 and r["requests"] > 0 and r["output_tokens"] > 0, r
+        # answered in step k's window: on weights k-1, or across the sync before it (k-2 and k-1)
+        versions = {int(v) for v in r["weight_versions"]}
+        assert k - 1 in versions and versions <= {k - 2, k - 1}, r
+        assert 0 < len(r["slowest"]) <= 5 and r["slowest"][0]["latency_s"] >= r["slowest"][-1]["latency_s"], r
+    [trainer] = by_role(m, "trainer")
+    st = trainer["staleness"]
+    assert st is not None and st["samples"] > 0 and 0 <= st["max"] <= 2, st  # config: max_staleness 2
+    b = summarize_step(TraceStore(main_job.profile), k).breakdown
+    assert b.imbalance.generating_max_over_mean is not None and b.imbalance.generating_max_over_mean >= 1.0
+    assert b.requests == sum(e["requests"]["requests"] for e in by_role(m, "rollout"))
+    assert b.staleness is not None and b.trainer[0].training_s > 0
+    html = (main_job.profile / f"step_{k}" / "report.html").read_text()
+    assert "RL step breakdown" in html and "Slowest requests" in html
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_main_job_holds_are_recorded_and_hta_loads_the_step_as_ranks(main_job, k):
+    """Each replica's entry says how long it was held for the sync that ended the step, and the
+    step's `ranks/` view loads in Holistic Trace Analysis with the trainer and every replica as a
+    rank of its own, each with its forward steps."""
+    from hta.trace_analysis import TraceAnalysis
+
+    assert main_job.returncode == 0, main_job.log
+    m = read_manifest(main_job.profile, k)
+    rollout = by_role(m, "rollout")
+    for e in rollout:
+        assert e["sync_held_s"] is not None and 0 < e["sync_held_s"] < 60, e
+    analyzer = TraceAnalysis(trace_dir=str(main_job.profile / f"step_{k}" / "ranks"))
+    assert sorted(analyzer.t.traces) == list(range(1 + len(rollout)))
+    table = analyzer.t.symbol_table.get_sym_table()
+    for rank in analyzer.t.traces:
+        names = analyzer.t.get_trace(rank)["name"].map(lambda i: table[i])
+        assert names.str.startswith("forward_step#").sum() > 0, f"step {k}: rank {rank} has no forward step"
+

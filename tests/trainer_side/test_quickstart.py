@@ -49,9 +49,9 @@ def test_main_job_prints_and_writes_what_the_page_says(quickstart_main_job):
         assert len(rollout) == 2 and [e["rank"] for e in trainer] == [0], m["entries"]
         for e in rollout:
             assert e["weight_version"] == k - 1 and e["files"] == [f"rollout/{e['replica_id']}/trace.pt.trace.json.gz"], e
-            assert (step / "rollout" / e["replica_id"] / "entry.json").is_file()
+            assert (step / "rollout" / e["replica_id"] / "entry.record").is_file()
         assert trainer[0]["files"] == ["trainer/rank_0/trace.pt.trace.json.gz"], trainer[0]
-        assert (step / "trainer" / "rank_0" / "entry.json").is_file()
+        assert (step / "trainer" / "rank_0" / "entry.record").is_file()
         assert m["sync"] is not None and m["sync"]["stop_s"] is not None, m["sync"]
     assert sorted(p.name for p in (REPO_ROOT / "outputs" / "weights").iterdir()) == [
         "v28.safetensors", "v29.safetensors", "v30.safetensors"

@@ -212,3 +212,26 @@ async def test_an_update_that_keeps_the_hold_never_reopens_admission_in_between(
     await engine.update_weights(3, engine.checkpoint, resume=True)
     assert engine.names()[-3:] == ["pause", "load", "resume"]
     await engine.shutdown()
+
+
+async def test_the_window_s_requests_and_the_sync_s_hold_reach_the_step_s_entry(engine, store, spec):
+    async def answer(request: GenerateRequest) -> GenerateResult:
+        await asyncio.sleep(0.05)
+        return GenerateResult(token_ids=[7] * 3, logprobs=[0.0] * 3, finish_reason="length", weight_versions=[0])
+
+    engine._generate = answer
+    assert await engine.start_profile(spec(3))
+    await asyncio.gather(*(engine.generate(GenerateRequest(prompt_token_ids=[1, 2])) for _ in range(4)))
+    await engine.stop_profile(3, pause=True)
+    await engine.update_weights(1, engine.checkpoint, resume=False)
+    await asyncio.sleep(0.2)  # held for the sync
+    assert await engine.start_profile(spec(4))
+    await engine.stop_profile(4, pause=False)
+    entry = next(e for e in store.read_entries(3) if e.replica_id == "fake0")
+    assert entry.requests is not None
+    assert (entry.requests.requests, entry.requests.prompt_tokens, entry.requests.output_tokens) == (4, 8, 12)
+    assert entry.requests.weight_versions == {0: 4} and entry.requests.generating_s > 0.04
+    assert entry.sync_held_s is not None and 0.2 <= entry.sync_held_s < 5
+    later = next(e for e in store.read_entries(4) if e.replica_id == "fake0")
+    assert later.sync_held_s is None  # its stop did not pause
+    await engine.shutdown()

@@ -25,6 +25,7 @@ def test_reference_covers_every_route_of_the_ingress():
         "POST /profile/start",
         "POST /profile/stop",
         "GET /profile/status",
+        "GET /profile/clock",
         "GET /profile/steps",
         "GET /profile/steps/{k}",
         "POST /weights/update",

@@ -154,8 +154,8 @@ def test_entries_and_session_round_trip(store: TraceStore):
     store.write_entry(3, e1)
     rec = session(3)
     store.write_session(3, rec)
-    assert (store.rollout_dir(3, "r0") / "entry.json").is_file()
-    assert (store.trainer_dir(3, 0) / "entry.json").is_file()
+    assert (store.rollout_dir(3, "r0") / "entry.record").is_file()
+    assert (store.trainer_dir(3, 0) / "entry.record").is_file()
     assert store.read_entries(3) == [e0, e1]
     assert store.read_session(3) == rec
     assert store.read_session(4) is None

@@ -49,7 +49,7 @@ def test_a_finished_entry_ships_its_files_in_chunks_then_the_entry_and_leaves_no
     assert store.calls[-1][0] == "write_entry", "the entry goes last: complete means the files are there"
     shipped = tmp_path / "save" / "step_3" / "rollout" / "r1"
     assert (shipped / "trace.pt.trace.json.gz").read_bytes() == payload
-    assert ManifestEntry.model_validate_json((shipped / "entry.json").read_text()).exporting is False
+    assert ManifestEntry.model_validate_json((shipped / "entry.record").read_text()).exporting is False
     assert not any(p.is_file() for p in (tmp_path / "node").rglob("*")), "nothing stranded on the node"
 
 
