@@ -128,11 +128,11 @@ class ManifestEntry(BaseModel):
     requests: RequestStats | None = None
     """Rollout entries: requests served and time generating, held and idle in the window."""
     staleness: Staleness | None = None
+    """Trainer entries: staleness of the samples consumed by the step's mini-batches."""
     sync_held_s: float | None = None
     """Rollout entries: seconds the replica held admission for the sync that ended the step, from
     its stop with `pause` to the start (or resuming update, or hold expiry) that released it; the
     profiler's finalize runs within it. Added when the hold ends (None: the stop did not pause)."""
-    """Trainer entries: staleness of the samples consumed by the step's mini-batches."""
     error: str | None = None
 
     @property

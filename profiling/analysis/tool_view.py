@@ -18,7 +18,6 @@ replaced (or added), the events copied as they are, gzip level 1 (a stream, one 
 
 from __future__ import annotations
 
-import gzip
 import json
 import os
 import re
@@ -27,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Literal
 
+from isal import igzip
 from pydantic import BaseModel
 
 from profiling.analysis.events import HEAD_BYTES, open_binary
@@ -35,7 +35,7 @@ from profiling.store import TraceStore
 
 VIEW_DIR = "ranks"
 GZIP_LEVEL = 1
-"""A rewrite recompresses the whole trace: level 1 is several times faster than torch's 9."""
+"""A rewrite recompresses the whole trace: ISA-L's level 1, many times faster than torch's zlib 9."""
 _CHUNK = 1 << 20
 _DIST_KEY = b'"distributedInfo"'
 _HTA_RANK = re.compile(rb'"rank":[^\S\n]+(\d+)')
@@ -176,7 +176,7 @@ def _dist_span(head: bytes) -> tuple[int, int] | None:
 def _rewrite(src: Path, dst: Path, info: dict[str, int]) -> None:
     """Copy the trace to `dst` with `distributedInfo: info` in its header, streaming."""
     value = json.dumps(info).encode()  # `"rank": 3`, with the space HTA's pattern needs
-    opener = gzip.open(dst, "wb", compresslevel=GZIP_LEVEL) if dst.name.endswith(".gz") else open(dst, "wb")
+    opener = igzip.open(dst, "wb", compresslevel=GZIP_LEVEL) if dst.name.endswith(".gz") else open(dst, "wb")
     with open_binary(src) as f, opener as out:
         head = f.read(HEAD_BYTES)
         body = head.lstrip()

