@@ -42,6 +42,7 @@ OPERATIONS: dict[tuple[str, str], int] = {
     ("GET", "/v1/models"): 5,
     ("POST", "/v1/completions"): 50,
     ("GET", "/profile/status"): 15,
+    ("GET", "/profile/clock"): 15,
     ("POST", "/profile/start"): 60,
     ("POST", "/profile/stop"): 60,
     ("POST", "/weights/update"): 60,
