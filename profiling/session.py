@@ -92,6 +92,9 @@ class ProfileSession:
         self._deadline: float | None = None
         self._exports: dict[int, Future[ManifestEntry]] = {}
         self._annotations: dict[int, dict[str, object]] = {}
+        # Step -> the entry its export wrote: set under the lock in the same breath as the write,
+        # so an annotation is applied either by the export or after it, never lost in between.
+        self._written: dict[int, ManifestEntry] = {}
         self._step_sizes = StepSizeEstimate()
         self._lock = threading.Lock()
 
@@ -120,11 +123,11 @@ class ProfileSession:
         its export is still running or already done."""
         with self._lock:
             self._annotations.setdefault(step, {}).update(fields)
-            fut = self._exports.get(step)
-            if fut is None or not fut.done():
+            written = self._written.get(step)
+            if written is None:
                 return  # the export applies the annotations when it writes the entry
-            # every annotation so far: the export's result does not hold the earlier ones
-            entry = fut.result().model_copy(update=self._annotations[step])
+            # every annotation so far: the export's entry does not hold the later ones
+            entry = written.model_copy(update=self._annotations[step])
             self._store.write_entry(step, entry)
         self._store.refresh_manifest(step)
 
@@ -164,6 +167,9 @@ class ProfileSession:
         except BaseException:
             backend.stop()
             raise
+        with self._lock:  # a step number recorded again starts from no annotations
+            self._annotations.pop(spec.step, None)
+            self._written.pop(spec.step, None)
         self._spec, self._backend, self._entry, self._state = spec, backend, entry, "profiling"
         limit = spec.options.max_duration_s
         self._deadline = time.monotonic() + limit if limit else None
@@ -258,6 +264,7 @@ class ProfileSession:
             for old in [k for k, f in self._exports.items() if f.done()][:-_KEEP_EXPORTS]:
                 del self._exports[old]
                 self._annotations.pop(old, None)
+                self._written.pop(old, None)
         return pending
 
     def _finish_recording(
@@ -298,6 +305,7 @@ class ProfileSession:
         entry.export_s = time.perf_counter() - t0
         try:
             with self._lock:
+                self._written[step] = entry
                 entry = entry.model_copy(update=self._annotations.get(step, {}))
                 self._store.write_entry(step, entry)
             self._store.refresh_manifest(step)

@@ -196,15 +196,14 @@ class ProfiledWeightSync:
             return
         session = self._session
         await self._on_model_thread(lambda: session.stop(label))
-        fields: dict[str, object] = {} if cost is None else {"sync": cost}
+        if cost is not None:  # first: the clock exchange below may not finish (the job ending)
+            session.annotate(label, sync=cost)
         try:
             # After the sync's calls, off the rollout's critical path: the merge needs this
             # process's clock against the app's (docs/analysis.md#how-clocks-are-aligned).
-            fields["clock_offset"] = await self.client.clock_offset()
+            session.annotate(label, clock_offset=await self.client.clock_offset())
         except (RolloutError, ValueError) as e:
             log.warning("step %s: the trainer's clock was not measured against the app's: %s", label, e)
-        if fields:
-            session.annotate(label, **fields)
 
     async def wait_exported(self, timeout_s: float = 120.0) -> None:
         """Block until the trainer's trace exports are written (call before reading manifests)."""

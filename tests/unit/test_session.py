@@ -455,3 +455,27 @@ def test_annotations_before_and_after_the_export_all_reach_the_entry(store, expo
     s.annotate(4, node_id="n1")
     [entry] = store.read_entries(4)
     assert (entry.pid, entry.late_start, entry.node_id, entry.forward_steps) == (77, True, "n1", 2)
+
+
+def test_an_annotation_that_arrives_just_as_the_export_writes_is_not_lost(store, exporter, model, spec):
+    """The export writes the entry, then resolves its future: an annotation made in between
+    (here from the export's own manifest refresh) must still reach the entry."""
+    s = make_session(store, exporter)
+    refresh = store.refresh_manifest
+    annotated = []
+
+    def refresh_then_annotate(step: int):
+        [entry] = store.read_entries(step)
+        if not entry.exporting and not annotated:
+            annotated.append(step)
+            s.annotate(step, node_id="late")
+        return refresh(step)
+
+    store.refresh_manifest = refresh_then_annotate
+    s.start(spec(6), weight_version=5)
+    run_steps(s, model, 1, weight_version=5)
+    s.stop(6)
+    s.wait_exported(6, timeout=WAIT)
+    assert annotated == [6]
+    [entry] = store.read_entries(6)
+    assert entry.node_id == "late" and not entry.exporting
