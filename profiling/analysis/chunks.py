@@ -20,10 +20,9 @@ from pathlib import Path
 from typing import IO, Any
 
 import msgspec
-from isal import igzip
 from typing_extensions import TypeIs
 
-from profiling.analysis.events import PROGRESS_EVERY, Event, TraceFormat, iter_events
+from profiling.analysis.events import PROGRESS_EVERY, Event, TraceFormat, decompressed, iter_events
 
 BLOCK_BYTES = 1 << 20
 """Bytes decoded at once. The chunk's events (structs, raw args) take a few times this; larger
@@ -80,7 +79,7 @@ def iter_chunks(path: Path, fmt: TraceFormat, on_progress: Callable[[int], None]
     """Every event of the trace, in file order, in chunks. `on_progress(n)`: on-disk bytes read
     since its last call. Raises ValueError (or the decompressor's error) for a trace that is cut
     off or is not valid JSON."""
-    with open(path, "rb") as raw, _decompressed(path, raw) as f:
+    with open(path, "rb") as raw, decompressed(path, raw) as f:
         head = f.read(BLOCK_BYTES)
         start, sep = _layout(head, fmt)
         if sep is None:
@@ -109,14 +108,8 @@ def iter_chunks(path: Path, fmt: TraceFormat, on_progress: Callable[[int], None]
             rest = block[cut + 1 :]
             progress()
         yield from _last(rest)
-        progress()
         if on_progress is not None:
             on_progress(path.stat().st_size - reported)
-
-
-def _decompressed(path: Path, raw: IO[bytes]) -> IO[bytes]:
-    """The file's bytes (gunzipped by ISA-L, several times zlib's speed, for `.gz`)."""
-    return igzip.GzipFile(fileobj=raw, mode="rb") if path.name.endswith(".gz") else raw  # type: ignore[return-value]
 
 
 def _layout(head: bytes, fmt: TraceFormat) -> tuple[int, bytes | None]:
@@ -184,10 +177,11 @@ def find_markers(path: Path, names: frozenset[str]) -> dict[str, Event] | None:
     """The first event named each of `names`, found by byte search without parsing the trace
     (None: an event could not be read where a name was found; parse the trace instead)."""
     found: dict[str, Event] = {}
+    quoted = {name: msgspec.json.encode(name) for name in names}
     with open(path, "rb") as raw:
         for buf, final in _windows(path, raw):
             for name in names - found.keys():
-                at = _find_name(buf, msgspec.json.encode(name))
+                at = _find_name(buf, quoted[name])
                 if at < 0:
                     continue
                 event = _event_around(buf, at)
@@ -207,7 +201,7 @@ _OVERLAP = 256 * 1024
 
 def _windows(path: Path, raw: IO[bytes]) -> Iterator[tuple[bytes, bool]]:
     """The file's (decompressed) bytes to search, in overlapping blocks: (block, is-the-last)."""
-    with _decompressed(path, raw) as f:
+    with decompressed(path, raw) as f:
         buf = b""
         while block := f.read(SEARCH_BLOCK_BYTES):
             buf = buf[-_OVERLAP:] + block

@@ -163,12 +163,12 @@ def _breakdown(a: StepSummary, b: StepSummary) -> list[Change]:
 
     rows: list[tuple[str, str, Callable[[StepSummary], float | None]]] = [
         *[
-            (f"rollout {state.replace('_', ' ')}, all replicas", "s", lambda s, f=f"{field}_s": total(s, f))
-            for state, field in (
+            (f"rollout {label}, all replicas", "s", lambda s, f=f"{field}_s": total(s, f))
+            for label, field in (
                 ("generating", "generating"),
                 ("held", "held"),
                 ("idle", "idle"),
-                ("held_for_the_sync", "sync_held"),
+                ("held for the sync", "sync_held"),
                 ("finalizing", "finalizing"),
                 ("exporting", "exporting"),
             )

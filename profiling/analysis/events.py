@@ -12,7 +12,7 @@ import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import ijson
 from isal import igzip
@@ -48,6 +48,12 @@ def open_binary(path: Path) -> io.BufferedIOBase:
     return igzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")
 
 
+def decompressed(path: Path, raw: IO[bytes]) -> IO[bytes]:
+    """`raw`, the open file `path`, as its decompressed bytes (like `open_binary`, for readers
+    that report progress from `raw.tell()`)."""
+    return igzip.GzipFile(fileobj=raw, mode="rb") if path.name.endswith(".gz") else raw  # type: ignore[return-value]
+
+
 def sniff(path: Path) -> TraceFormat:
     """The trace's format, or NotATrace naming why this file is not one."""
     if not path.name.endswith(TRACE_SUFFIXES):
@@ -75,7 +81,7 @@ def iter_events(
     """Every event of the trace, in file order. `on_progress(n)` is called with the number of
     on-disk bytes read since its last call (for progress bars)."""
     with open(path, "rb") as raw:
-        stream: io.BufferedIOBase = igzip.GzipFile(fileobj=raw, mode="rb") if path.name.endswith(".gz") else raw
+        stream = decompressed(path, raw)
         reported = 0
         for i, ev in enumerate(ijson.items(stream, fmt.events_prefix, use_float=True), 1):
             if isinstance(ev, dict):

@@ -213,11 +213,9 @@ def _plan(inp: TraceInput) -> _Planned:
             if isinstance(ev.get("ts"), (int, float)):
                 probe.note(name, ev["ts"], ev.get("dur"))
     alignment = probe.alignment(inp.rel, base_ns)
-    anchor = None
-    if probe.found:
-        anchor = min(round(ts * 1000) for ts, _ in probe.found.values()) + (base_ns or 0) + alignment.offset_ns
-    elif probe.min_ts is not None:
-        anchor = round(probe.min_ts * 1000) + (base_ns or 0) + alignment.offset_ns
+    first = min((ts for ts, _ in probe.found.values()), default=probe.min_ts)
+    # in integers: unix nanoseconds as floats are off by up to ~256 ns
+    anchor = None if first is None else round(first * 1000) + (base_ns or 0) + alignment.offset_ns
     return _Planned(inp, alignment, anchor)
 
 
