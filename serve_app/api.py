@@ -1,4 +1,5 @@
-"""The HTTP wire schema (docs/design.md#http-api): every request and response body, as pydantic models.
+"""The HTTP wire schema of the control routes (docs/design.md#http-api), as pydantic models; the
+OpenAI routes' bodies are in serve_app/openai_api.py.
 
 Pure pydantic: the trainer-side client imports this module (and nothing else of serve_app) so
 both ends share one definition of every body.
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field
 
 from profiling.config import MAX_STEP, Activity, SafeName, StepNumber, StrictModel, Tool
 from profiling.manifest import ManifestStatus
@@ -94,6 +95,9 @@ class ReplicaReport(BaseModel):
     forward_steps_by_version: dict[int, int] = Field(
         default_factory=dict, description="All forward passes the replica ran, by weight version."
     )
+    requests_in_flight: int | None = Field(
+        None, description="Generation requests (one per choice) the replica's engine is running or queueing."
+    )
     files: list[str] = Field(default_factory=list)
     stop_ack_s: float | None = None
     load_s: float | None = None
@@ -151,78 +155,3 @@ class StepsResponse(BaseModel):
 class ErrorResponse(BaseModel):
     detail: str
     replicas: list[ReplicaReport] = Field(default_factory=list)
-
-
-MIN_TEMPERATURE = 0.01
-
-# -- OpenAI completions subset ------------------------------------------------------------
-
-
-class CompletionRequest(StrictModel):
-    model: str | None = None
-    prompt: str | list[int] | list[str] = Field(min_length=1)
-    max_tokens: int = Field(16, ge=1, le=1024)
-    temperature: float = Field(
-        1.0,
-        ge=0.0,
-        le=10.0,
-        allow_inf_nan=False,
-        description="0: greedy; otherwise at least 0.01 (smaller overflows).",
-    )
-    logprobs: int | None = Field(None, ge=0, le=1, description="0 or 1: sampled token's logprob.")
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    n: Literal[1] = 1
-    stream: Literal[False] = False
-
-    @field_validator("temperature")
-    @classmethod
-    def _sampleable(cls, t: float) -> float:
-        if 0 < t < MIN_TEMPERATURE:
-            raise ValueError(f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE}")
-        return t
-
-
-class CompletionLogprobs(BaseModel):
-    tokens: list[str]
-    token_logprobs: list[float]
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    finish_reason: Literal["stop", "length"]
-    logprobs: CompletionLogprobs | None = None
-    token_ids: list[int]
-    prompt_token_ids: list[int]
-    weight_version: int
-    """Oldest weight version that produced a token of this choice."""
-    weight_versions: list[int]
-
-
-class CompletionUsage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: CompletionUsage
-    weight_version: int
-    """Oldest weight version over all choices."""
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "rollout-profiler"
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]

@@ -52,6 +52,8 @@ class _Ingress(ProfileRoutesMixin, WeightRoutesMixin, OpenAIRoutesMixin, OpsRout
         self.replicas = replicas
         self.model_name = args.model_name
         self.request_limits = args.request_limits
+        self.engine_options = args.engine_options
+        self.num_replicas = args.num_replicas
         self._app_name = app_name = serve.get_replica_context().app_name
         self._desired = DesiredStateStore(app_name)
         # Created here, so it lives on this node: the one whose save_path the manifests name.

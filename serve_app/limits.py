@@ -61,11 +61,14 @@ class RequestLimits(StrictModel):
     """Largest request body, in bytes (413 above it)."""
     max_prompts: int = Field(64, ge=1)
     """Most prompts in one completion request (422 above it)."""
+    max_choices: int = Field(256, ge=1)
+    """Most choices in one request, prompts times `n` (422 above it)."""
     max_prompt_chars: int = Field(262_144, ge=1)
     """Longest text prompt, in characters, checked before tokenizing (422 above it); the
     tokenized prompt must also leave room for max_tokens in the model's context."""
     max_ongoing_requests: int = Field(256, ge=1)
-    """Generation requests one replica takes at once (Serve's max_ongoing_requests); more wait."""
+    """Generation calls one replica takes at once (Serve's max_ongoing_requests); more wait. A
+    request's prompts go to the replicas in at most one call per replica."""
     max_queued_requests: int = Field(512, ge=1)
-    """Generation requests that may wait for a replica; more are answered 503 with Retry-After
+    """Generation calls that may wait for a replica; more are answered 503 with Retry-After
     (Serve's max_queued_requests of the replicas)."""

@@ -11,6 +11,7 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -20,11 +21,14 @@ from ray import serve
 from profiling.manifest import ManifestEntry
 from profiling.session import ProfileSession, SessionConflict, SessionSpec
 from profiling.store import TraceStore
-from serve_app.api import CompletionChoice, CompletionLogprobs, CompletionRequest, ReplicaReport
+from serve_app.api import ReplicaReport
+from serve_app.choices import ChoiceBuilder, JobAccepted, JobDone, JobResult, PromptJob, choice_index, sampling_for
 from serve_app.config import AppArgs
 from serve_app.desired_state import DesiredStateStore
 from serve_app.engines import create_engine
-from serve_app.engines.base import GenerateRequest, check_fits
+from serve_app.engines.base import check_fits, merged, room_left
+from serve_app.engines.generation import GenerateRequest
+from serve_app.openai_api import ChatChunkChoice, ChatCompletionRequest, CompletionChunkChoice
 from serve_app.reconcile import Reconciler
 from serve_app.redact import app_redactor
 from serve_app.trace_collection import ShippingTraceStore, node_local_dir
@@ -52,9 +56,7 @@ class RolloutReplica:
             args,
             lambda backend_factory: ProfileSession(
                 store=store,
-                entry_identity=ManifestEntry(
-                    role="rollout", replica_id=self.replica_id, node_id=self._node_id
-                ),
+                entry_identity=ManifestEntry(role="rollout", replica_id=self.replica_id, node_id=self._node_id),
                 exporter=ThreadPoolExecutor(1, thread_name_prefix="trace-export"),
                 backend_factory=backend_factory,
             ),
@@ -70,7 +72,9 @@ class RolloutReplica:
         active step (joined late), the admission hold."""
         desired = await self._desired.get()
         if desired.weights_in_object_store:
-            report = await self.update_weights_in_cluster(desired.weight_version, await self._desired.weights_refs(), True)
+            report = await self.update_weights_in_cluster(
+                desired.weight_version, await self._desired.weights_refs(), True
+            )
             if not report.ok:
                 raise RuntimeError(f"cannot load the served weights, version {desired.weight_version}: {report.error}")
         elif desired.weight_version > 0 and desired.weights_path:
@@ -94,6 +98,7 @@ class RolloutReplica:
             paused=st.paused,
             forward_steps=st.forward_steps,
             forward_steps_by_version=st.forward_steps_by_version,
+            requests_in_flight=st.requests_in_flight,
         )
         base.update(fields)
         if error := base.get("error"):  # the full text goes to the log, the answer names no server path
@@ -102,37 +107,73 @@ class RolloutReplica:
         return ReplicaReport(**base)
 
     # -- generation (load balanced) -----------------------------------------------------------
-    async def complete(self, prompt: str | list[int], request: CompletionRequest, index: int) -> CompletionChoice:
-        """One OpenAI completion choice for one prompt."""
-        engine = self.engine
-        # Off the event loop: a long prompt must not stall control calls and health checks.
-        prompt_ids = await asyncio.to_thread(engine.tokenize, prompt) if isinstance(prompt, str) else list(prompt)
+    async def run_jobs(self, jobs: list[PromptJob]) -> list[JobResult]:
+        """Prompts of one request, each with its `n` choices, whole. One call carries several
+        prompts: a handle call costs more than a prompt's bookkeeping."""
+        return list(await asyncio.gather(*(self._run_job(j) for j in jobs)))
+
+    async def _run_job(self, job: PromptJob) -> JobResult:
+        prompt_ids, builders, requests = await self._prepare(job, stream=False)
+
+        async def run(builder: ChoiceBuilder, request: GenerateRequest) -> None:
+            async for delta in self.engine.generate(request):
+                builder.feed(delta)
+
+        await asyncio.gather(*(run(b, r) for b, r in zip(builders, requests, strict=True)))
+        return JobResult(
+            choices=[b.choice() for b in builders],
+            prompt_tokens=len(builders[0].prompt_ids),
+            completion_tokens=sum(len(b.token_ids) for b in builders),
+        )
+
+    async def stream_jobs(
+        self, jobs: list[PromptJob]
+    ) -> AsyncIterator[JobAccepted | CompletionChunkChoice | ChatChunkChoice | JobDone]:
+        """Prompts of one request as stream pieces: `JobAccepted` once every prompt fits and its
+        sequences are queued, then pieces as the engine makes tokens, then `JobDone`. Closing
+        the stream (the caller went away) aborts every sequence still running."""
+        prepared = [await self._prepare(j, stream=True) for j in jobs]
+        builders = [b for _, bs, _ in prepared for b in bs]
+        requests = [r for _, _, rs in prepared for r in rs]
+        yield JobAccepted(prompt_tokens=sum(len(ids) for ids, _, _ in prepared))
+        async for i, delta in merged(self.engine.generate(r) for r in requests):
+            if (piece := builders[i].piece(delta)) is not None:
+                yield piece
+        yield JobDone(completion_tokens=sum(len(b.token_ids) for b in builders))
+
+    async def _prepare(
+        self, job: PromptJob, stream: bool
+    ) -> tuple[list[int], list[ChoiceBuilder], list[GenerateRequest]]:
+        """Tokenize (off the event loop: a long prompt must not stall control calls and health
+        checks), check the prompt fits, and build each choice's request. ValueError: a 422."""
+        engine, request = self.engine, job.request
+        if isinstance(request, ChatCompletionRequest):
+            messages = [{"role": m.role, "content": m.text()} for m in request.messages]
+            prompt_ids = await asyncio.to_thread(engine.chat_prompt, messages, request.add_generation_prompt)
+        elif isinstance(job.prompt, str):
+            prompt_ids = await asyncio.to_thread(engine.tokenize, job.prompt)
+        else:
+            prompt_ids = list(job.prompt or [])
         if not prompt_ids:
             raise ValueError("prompt is empty after tokenization")
-        check_fits(engine.context_length, len(prompt_ids), request.max_tokens)
-        result = await engine.generate(
-            GenerateRequest(
-                prompt_token_ids=prompt_ids,
-                max_tokens=request.max_tokens,
-                temperature=request.temperature,
-                seed=None if request.seed is None else request.seed + index,
+        engine.check_prompt(prompt_ids)
+        max_tokens = request.output_limit()
+        if max_tokens is None:
+            max_tokens = room_left(engine.context_length, len(prompt_ids))
+        check_fits(engine.context_length, len(prompt_ids), max_tokens)
+        text = job.prompt if isinstance(job.prompt, str) else None
+        builders, requests = [], []
+        for i in range(request.n):
+            index = choice_index(request, job.prompt_index, i)
+            builders.append(ChoiceBuilder(engine, request, index, prompt_ids, text, engine.weight_version))
+            requests.append(
+                GenerateRequest(
+                    prompt_token_ids=prompt_ids,
+                    sampling=sampling_for(request, job.prompt_index, i, max_tokens),
+                    stream=stream,
+                )
             )
-        )
-        logprobs = None
-        if request.logprobs is not None:
-            logprobs = CompletionLogprobs(
-                tokens=engine.token_strings(result.token_ids), token_logprobs=result.logprobs
-            )
-        return CompletionChoice(
-            index=index,
-            text=engine.detokenize(result.token_ids),
-            finish_reason=result.finish_reason,
-            logprobs=logprobs,
-            token_ids=result.token_ids,
-            prompt_token_ids=prompt_ids,
-            weight_version=min(result.weight_versions),
-            weight_versions=result.weight_versions,
-        )
+        return prompt_ids, builders, requests
 
     # -- control (broadcast) ------------------------------------------------------------------
     async def start_profile(self, spec: SessionSpec) -> ReplicaReport:

@@ -33,6 +33,17 @@ Every replica keeps its own trace directory; every step keeps its own manifest.
 """
 
 
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant:{% endif %}"
+)
+"""The tiny model's chat template (Jinja, as in tokenizer_config.json): each message is a
+`<s>role: content</s>` line, and the assistant's turn opens with `<s>assistant:`."""
+
+_BUILD = 2
+"""Bumped when the files built for a spec change (2: the chat template), so caches rebuild."""
+
+
 class TinyModelSpec(BaseModel):
     """Shape of the tiny Llama (`args.tiny_model`), built when `model_path` is null."""
 
@@ -72,7 +83,7 @@ class TinyModelSpec(BaseModel):
         return self.hidden_size // self.num_attention_heads
 
     def digest(self) -> str:
-        return hashlib.sha256(self.model_dump_json().encode()).hexdigest()[:12]
+        return hashlib.sha256(f"{_BUILD}:{self.model_dump_json()}".encode()).hexdigest()[:12]
 
 
 def default_cache_dir() -> Path:
@@ -123,6 +134,7 @@ def _build(spec: TinyModelSpec, target: Path) -> None:
                     "unk_token": "<unk>",
                     "pad_token": "<pad>",
                     "model_max_length": spec.max_position_embeddings,
+                    "chat_template": CHAT_TEMPLATE,
                 }
             )
         )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
 import httpx
@@ -19,9 +20,6 @@ from profiling.clock_exchange import PINGS, ClockReading, offset_from, reversed_
 from profiling.manifest import ClockOffset, StepManifest
 from serve_app.api import (
     ClockResponse,
-    CompletionRequest,
-    CompletionResponse,
-    ModelList,
     ReplicaReport,
     StartProfileRequest,
     StartProfileResponse,
@@ -31,6 +29,15 @@ from serve_app.api import (
     StopProfileResponse,
     UpdateWeightsRequest,
     UpdateWeightsResponse,
+)
+from serve_app.openai_api import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessage,
+    CompletionRequest,
+    CompletionResponse,
+    ModelList,
+    SamplingFields,
 )
 
 R = TypeVar("R", bound=BaseModel)
@@ -83,7 +90,12 @@ class RolloutClient:
     async def _call(
         self, method: str, path: str, model: type[R], body: BaseModel | None = None, *, retry: bool
     ) -> R:
-        payload = body.model_dump(mode="json", exclude_none=True) if body is not None else None
+        # An OpenAI body carries only the fields the caller set: a default sent explicitly would
+        # read as "set" to the ingress, which refuses fields the engine cannot honour.
+        sampling = isinstance(body, SamplingFields)
+        payload = (
+            body.model_dump(mode="json", exclude_none=True, exclude_unset=sampling) if body is not None else None
+        )
         attempts = 1 + (self._retries if retry else 0)
         backlog_deadline = time.monotonic() + self._backlog_wait_s
         attempt = 0
@@ -142,10 +154,22 @@ class RolloutClient:
         return await self._call("GET", f"/profile/steps/{k}", StepManifest, retry=True)
 
     # -- generation --------------------------------------------------------------------------
-    async def complete(self, prompt: str | list[int] | list[str], **fields: Any) -> CompletionResponse:
+    async def complete(
+        self, prompt: str | list[str] | list[int] | list[list[int]], **fields: Any
+    ) -> CompletionResponse:
         """/v1/completions; `fields` are CompletionRequest fields (max_tokens, temperature, ...)."""
         body = CompletionRequest(prompt=prompt, **fields)
         return await self._call("POST", "/v1/completions", CompletionResponse, body, retry=True)
+
+    async def chat(
+        self, messages: Sequence[ChatMessage | Mapping[str, Any]], **fields: Any
+    ) -> ChatCompletionResponse:
+        """/v1/chat/completions over `messages` (ChatMessages or OpenAI's `{"role", "content"}`
+        dicts), rendered with the served model's chat template; `fields` are
+        ChatCompletionRequest fields (max_tokens, temperature, logprobs, n, ...). Each choice
+        carries the rendered prompt's token ids, the answer's, and its weight-version spans."""
+        body = ChatCompletionRequest(messages=list(messages), **fields)
+        return await self._call("POST", "/v1/chat/completions", ChatCompletionResponse, body, retry=True)
 
     async def models(self) -> ModelList:
         return await self._call("GET", "/v1/models", ModelList, retry=True)

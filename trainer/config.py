@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
 from profiling.config import GlobalProfilerConfig, ProfileOptions, StrictModel, describe_validation_error
+
+MAX_AGENT_TURNS = 16
+"""Most turns per agent-loop episode (each turn's prompt holds the whole conversation so far)."""
 
 
 class TrainerSection(StrictModel):
@@ -45,10 +48,44 @@ class RolloutSection(StrictModel):
     max_staleness: int = Field(2, ge=0, description="Drop samples older than this many versions.")
     max_tokens: int = Field(16, ge=1, description="Completion tokens generated per prompt (the requests' max_tokens).")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature of the completion requests.")
-    concurrency: int = Field(4, ge=1, description="Completion requests in flight.")
-    prompts_per_request: int = Field(
-        4, ge=1, description="Prompts per /v1/completions request; each completion is one training sample."
+    concurrency: int = Field(
+        4, ge=1, description="Producers running at once: completion requests in flight, or agent-loop episodes."
     )
+    prompts_per_request: int = Field(
+        4,
+        ge=1,
+        description="Prompts per /v1/completions request; each completion is one training sample "
+        "(mode completions only).",
+    )
+    mode: Literal["completions", "agent_loop"] = Field(
+        "completions",
+        description="How producers sample: completions (one /v1/completions request per batch of prompts, "
+        "one sample per completion), or agent_loop (multi-turn chat episodes through "
+        "/v1/chat/completions, one sample per turn: docs/trainer.md#the-agent-loop).",
+    )
+    agent_turns: int = Field(
+        3,
+        ge=1,
+        le=MAX_AGENT_TURNS,
+        description="agent_loop: assistant turns per episode; a scripted environment reply follows each "
+        "turn but the last.",
+    )
+    agent_episodes_path: str | None = Field(
+        None,
+        description="agent_loop: append every finished episode (its messages, and per turn the prompt and "
+        "answer token ids, logprobs and weight-version spans) to this file as one JSON line; null: not "
+        "recorded.",
+    )
+
+    @model_validator(mode="after")
+    def _agent_keys_need_agent_mode(self) -> RolloutSection:
+        """An episodes file that would stay empty is a mistake worth naming."""
+        if self.agent_episodes_path is not None and self.mode != "agent_loop":
+            raise ValueError(
+                f"agent_episodes_path is set but mode is {self.mode!r}: episodes are only recorded "
+                "with mode agent_loop; set rollout.mode=agent_loop or remove agent_episodes_path"
+            )
+        return self
 
 
 class TrainerConfig(StrictModel):

@@ -1,6 +1,7 @@
 """The reference fully-async RL loop (the main job).
 
-A rollout producer keeps completions coming (token ids, logprobs, the weight version that made
+A rollout producer (`rollout.mode`: batched completions, or multi-turn agent-loop episodes,
+trainer/agent_loop.py) keeps completions coming (token ids, logprobs, the weight version that made
 them) while the trainer takes mini-batches, steps the optimizer, and every
 `trigger_parameter_sync_step` mini-batches publishes a new version through the profiled sync.
 Samples more than `max_staleness` versions old are dropped.
@@ -18,6 +19,7 @@ from pydantic import BaseModel, Field
 
 from profiling.manifest import SyncCost
 from profiling.schedule import StepSchedule
+from trainer.agent_loop import AgentLoop, Reward
 from trainer.client import RolloutClient
 from trainer.config import TrainerConfig
 from trainer.policy import Policy, Sample
@@ -63,8 +65,9 @@ ProgressHook = Callable[[VersionStats], None]
 
 
 async def _produce(
-    client: RolloutClient, cfg: TrainerConfig, target: int, queue: asyncio.Queue[Sample], worker: int
+    client: RolloutClient, cfg: TrainerConfig, reward: Reward, queue: asyncio.Queue[Sample], worker: int
 ) -> None:
+    """Mode completions: batches of prompts through /v1/completions, one sample per completion."""
     r = cfg.rollout
     n = worker
     while True:
@@ -74,15 +77,42 @@ async def _produce(
             prompts, max_tokens=r.max_tokens, temperature=r.temperature, logprobs=1
         )
         for c in resp.choices:
-            reward = sum(t == target for t in c.token_ids) / max(1, len(c.token_ids))
+            logprobs = c.logprobs.token_logprobs if c.logprobs else []
+            if any(lp is None for lp in logprobs):  # OpenAI's None is an echoed prompt's first token
+                raise ValueError("a completion's logprobs hold a null: the producers' requests must not echo")
             sample = Sample(
                 prompt_ids=c.prompt_token_ids,
                 completion_ids=c.token_ids,
-                logprobs=c.logprobs.token_logprobs if c.logprobs else [],
+                logprobs=[lp for lp in logprobs if lp is not None],
                 weight_version=c.weight_version,
-                reward=reward,
+                reward=reward(c.token_ids),
             )
             await queue.put(sample)
+
+
+def token_share(target: int) -> Reward:
+    """The reward of both modes: the share of completion tokens equal to `target`."""
+    return lambda ids: sum(t == target for t in ids) / max(1, len(ids))
+
+
+def _producers(
+    client: RolloutClient, cfg: TrainerConfig, reward: Reward, context_len: int, queue: asyncio.Queue[Sample]
+) -> list[asyncio.Task]:
+    """`rollout.concurrency` producers of the configured mode; `context_len`: the policy's."""
+    r = cfg.rollout
+    if r.mode == "completions":
+        return [asyncio.create_task(_produce(client, cfg, reward, queue, i)) for i in range(r.concurrency)]
+    agent = AgentLoop(
+        client,
+        turns=r.agent_turns,
+        max_tokens=r.max_tokens,
+        temperature=r.temperature,
+        reward=reward,
+        tasks=PROMPTS,
+        context_len=context_len,
+        episodes_path=Path(r.agent_episodes_path) if r.agent_episodes_path else None,
+    )
+    return [asyncio.create_task(agent.produce(i, queue)) for i in range(r.concurrency)]
 
 
 async def run_training(
@@ -96,7 +126,9 @@ async def run_training(
     executor = ThreadPoolExecutor(1, thread_name_prefix="trainer-model")
     loop = asyncio.get_running_loop()
     policy = await loop.run_in_executor(executor, Policy, model_dir, t.lr, t.clip_ratio, t.seed)
-    target = policy.token_id(t.reward_text)
+    reward = token_share(policy.token_id(t.reward_text))
+    # The policy is the served model: a sample must fit its context to be trained on.
+    context_len = int(policy.model.config.max_position_embeddings)
     weights_dir = Path(t.weights_dir).resolve()
     schedule = StepSchedule.from_config(cfg.global_profiler)
     sync = ProfiledWeightSync(
@@ -112,9 +144,7 @@ async def run_training(
     producers: list[asyncio.Task] = []
     try:
         async with sync:
-            producers = [
-                asyncio.create_task(_produce(client, cfg, target, queue, i)) for i in range(cfg.rollout.concurrency)
-            ]
+            producers = _producers(client, cfg, reward, context_len, queue)
             for version in range(1, t.total_versions + 1):
                 stats = await _train_version(cfg, policy, sync, queue, producers, executor, version, result)
                 path = weights_dir / f"v{version}.safetensors"

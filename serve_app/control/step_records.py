@@ -43,6 +43,9 @@ class StepRecords:
         self._keep_steps = keep_steps
         self._books = asyncio.Lock()  # FIFO: session/manifest writes happen in call order
         self._unrecorded: dict[int, _Unrecorded] = {}
+        # Step -> how many times it was prepared: a late write of an earlier run of the same step
+        # number (moved aside by the new run's start) must not land in, or fail, the new run.
+        self._runs: dict[int, int] = {}
         self._background: set[asyncio.Future[None]] = set()
 
     def background(self, coro: Coroutine[Any, Any, None]) -> None:
@@ -64,7 +67,9 @@ class StepRecords:
             return moved, removed
 
         try:
-            moved, removed = await asyncio.to_thread(prepare)
+            async with self._books:  # after the writes already queued for an earlier run
+                self._runs[step] = self._runs.get(step, 0) + 1
+                moved, removed = await asyncio.to_thread(prepare)
         except StorageError as e:
             raise InsufficientStorage(str(e)) from e
         except OSError as e:
@@ -146,8 +151,13 @@ class StepRecords:
         """Run `write` after answering, in call order, off the loop. `lost`: replica id -> why its
         trace is missing; if the write fails, it is kept for GET /profile/steps/{k}."""
 
+        run_of = self._runs.get(step, 0)
+
         async def run() -> None:
             async with self._books:
+                if self._runs.get(step, 0) != run_of:
+                    log.info("step %s started again: a write for its earlier run is dropped", step)
+                    return
                 try:
                     await asyncio.to_thread(write)
                 except (OSError, StorageError) as e:  # unwritable, full, or a corrupt record

@@ -13,7 +13,7 @@ The public methods own the state and its guards (docs/design.md#exact-attributio
   it between engine steps, and serves the old version if the load fails.
 
 Engines (`transformers_engine.py`, `vllm_engine.py`, `sglang_engine.py`) supply only the hooks:
-`_open`, `_generate`, `_profiler`, `_pause`, `_resume`, `_read_weights`, `_load_weights`,
+`_open`, `_stream`, `_profiler`, `_pause`, `_resume`, `_read_weights`, `_load_weights`,
 `_healthy`, `_close`, and, where forward passes run in this process, `_engine_step`.
 """
 
@@ -26,17 +26,18 @@ import logging
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
 from pathlib import Path
 from typing import ClassVar, Generic, TypeVar
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel
 
 from profiling.backends.base import ProfilerBackend
 from profiling.manifest import ManifestEntry
 from profiling.session import BackendFactory, ProfileSession, SessionSpec, SessionState, StopOutcome
 from serve_app.config import AppArgs
 from serve_app.engines.control_thread import ControlThread
+from serve_app.engines.generation import GenerateDelta, GenerateRequest
 from serve_app.engines.options import ENGINE_OPTIONS
 from serve_app.engines.request_stats import RequestAccounting
 from serve_app.engines.tokenizer import HfTokenizerMixin
@@ -56,20 +57,6 @@ _ACK_WAIT_S = 0.5
 _ACK_GRACE_S = 0.02
 
 
-class GenerateRequest(BaseModel):
-    prompt_token_ids: list[int] = Field(min_length=1)
-    max_tokens: int = Field(16, ge=1)
-    temperature: float = Field(1.0, ge=0.0)
-    seed: int | None = None
-
-
-class GenerateResult(BaseModel):
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str
-    weight_versions: list[int]
-
-
 class EngineStatus(BaseModel):
     state: SessionState
     active_step: int | None
@@ -79,6 +66,8 @@ class EngineStatus(BaseModel):
     """Forward passes recorded in the active window."""
     forward_steps_by_version: dict[int, int]
     """All forward passes this engine ran, by weight version (recorded or not)."""
+    requests_in_flight: int
+    """Generation requests (one per choice) in the engine now."""
 
 
 def check_fits(context_length: int | None, prompt_tokens: int, max_tokens: int) -> None:
@@ -91,28 +80,47 @@ def check_fits(context_length: int | None, prompt_tokens: int, max_tokens: int) 
         )
 
 
-class InFlightVersions:
-    """The weight versions an engine ran while each request was in flight: a request held across
-    an update ran only with the new weights, one in flight across it with both."""
+def room_left(context_length: int | None, prompt_tokens: int) -> int:
+    """max_tokens for a request that gives none: the rest of the engine's context."""
+    if context_length is None:
+        raise ValueError("the model's context length is unknown: give max_tokens")
+    if prompt_tokens >= context_length:
+        raise ValueError(
+            f"the prompt has {prompt_tokens} tokens: no room left in the model's context of "
+            f"{context_length} tokens; shorten the prompt"
+        )
+    return context_length - prompt_tokens
 
-    def __init__(self) -> None:
-        self._seen: dict[int, set[int]] = {}
 
-    @contextlib.contextmanager
-    def track(self, running: int | None) -> Iterator[set[int]]:
-        """Around one request; `running`: the version the engine runs now (None: paused)."""
-        seen: set[int] = set() if running is None else {running}
-        key = id(seen)
-        self._seen[key] = seen
+async def merged(streams: Iterable[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """Items of several async iterators as they come, each with its iterator's index. The first
+    failure is raised; closing this iterator (or a failure) closes every stream still open."""
+    queue: asyncio.Queue[tuple[int, T | None, BaseException | None, bool]] = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[T]) -> None:
         try:
-            yield seen
-        finally:
-            del self._seen[key]
+            async for item in stream:
+                await queue.put((i, item, None, False))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer, which raises it
+            await queue.put((i, None, e, True))
+            return
+        await queue.put((i, None, None, True))
 
-    def ran(self, version: int) -> None:
-        """The engine resumed on `version`: every request in flight runs on it from now."""
-        for seen in self._seen.values():
-            seen.add(version)
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        open_streams = len(tasks)
+        while open_streams:
+            i, item, error, done = await queue.get()
+            if error is not None:
+                raise error
+            if done:
+                open_streams -= 1
+            else:
+                yield i, item  # type: ignore[misc]  # not done: an item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class RolloutEngine(HfTokenizerMixin, ABC, Generic[W]):
@@ -148,8 +156,6 @@ class RolloutEngine(HfTokenizerMixin, ABC, Generic[W]):
         # (step, monotonic time) of a hold begun by the stop of `step`: its length goes to the entry.
         self._sync_hold: tuple[int, float] | None = None
         self._engine_paused = False
-        # Requests in flight -> the weight versions the engine ran while each was in flight.
-        self._in_flight = InFlightVersions()
         # Requests and generating/held/idle time per profiling window, for the step's entry.
         self._requests = RequestAccounting()
 
@@ -159,8 +165,13 @@ class RolloutEngine(HfTokenizerMixin, ABC, Generic[W]):
         """Build or reach the engine serving `model_dir` (in the replica's constructor)."""
 
     @abstractmethod
-    async def _generate(self, request: GenerateRequest) -> GenerateResult:
-        """Generate for a prompt whose token ids are in the model's vocabulary."""
+    def _stream(self, request: GenerateRequest) -> AsyncGenerator[GenerateDelta, None]:
+        """Generate one sequence for a prompt whose token ids are in the model's vocabulary
+        (serve_app/engines/generation.py): deltas until one with `finish_reason`. Honour every
+        field of `request.sampling` (a field the engine cannot honour is refused before the
+        request reaches it: `EngineOptions.unsupported_sampling`). Closing the iterator early
+        (the caller went away) aborts the sequence and frees its slot. ValueError: the request
+        itself is unusable (a 422 for the caller)."""
 
     @abstractmethod
     def _profiler(self, spec: SessionSpec) -> ProfilerBackend:
@@ -201,25 +212,29 @@ class RolloutEngine(HfTokenizerMixin, ABC, Generic[W]):
         return {}
 
     # -- generation --------------------------------------------------------------------------
-    async def generate(self, request: GenerateRequest) -> GenerateResult:
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
+        """The sequence's deltas (`_stream`), counted in the profiling window's request stats."""
         self.check_prompt(request.prompt_token_ids)
         entered = self._requests.entered()
-        result: GenerateResult | None = None
+        tokens = 0
+        versions: set[int] = set()
+        finished = False
         try:
-            result = await self._generate(request)
-            return result
+            # aclosing: a consumer that stops early closes the engine's stream now (an abort),
+            # not whenever the generator is collected.
+            async with contextlib.aclosing(self._stream(request)) as stream:
+                async for delta in stream:
+                    tokens += len(delta.token_ids)
+                    if delta.weight_versions is not None:
+                        versions = {s.version for s in delta.weight_versions}
+                    elif delta.weight_version is not None and delta.token_ids:
+                        versions.add(delta.weight_version)
+                    finished = finished or delta.finish_reason is not None
+                    yield delta
         finally:
             self._requests.finished(
-                entered,
-                len(request.prompt_token_ids),
-                None if result is None else len(result.token_ids),
-                () if result is None else result.weight_versions,
+                entered, len(request.prompt_token_ids), tokens if finished else None, versions
             )
-
-    def versions_seen(self) -> contextlib.AbstractContextManager[set[int]]:
-        """Around one request of an engine that reports no per-token version: the weight versions
-        the engine ran while it was in flight (InFlightVersions)."""
-        return self._in_flight.track(None if self._engine_paused else self.weight_version)
 
     # -- profiling and weights ------------------------------------------------------------------
     async def start_profile(self, spec: SessionSpec) -> bool:
@@ -339,6 +354,7 @@ class RolloutEngine(HfTokenizerMixin, ABC, Generic[W]):
             paused=self.paused,
             forward_steps=self._session.forward_steps,
             forward_steps_by_version=self._forward_steps_by_version(),
+            requests_in_flight=self._requests.in_flight,
         )
 
     def healthy(self) -> bool:
@@ -366,7 +382,6 @@ class RolloutEngine(HfTokenizerMixin, ABC, Generic[W]):
         await self._resume()
         self._engine_paused = False
         self._requests.paused(False)
-        self._in_flight.ran(self.weight_version)
 
     async def _hold(self) -> None:
         """Admit no engine step until the next start or resuming update, or until hold_timeout_s

@@ -24,6 +24,9 @@ class EngineOptions(StrictModel):
     imports its engine's packages)."""
     tools: ClassVar[tuple[Tool, ...]]
     """The profiler tools this engine can record with."""
+    unsupported_sampling: ClassVar[dict[str, str]] = {}
+    """Generation request fields this engine cannot honour, each with why: a request that sets
+    one is refused (422 naming the field and the engine), never served with it dropped."""
 
     @classmethod
     def profiler_problems(cls, options: ProfileOptions, built: ProfileOptions) -> list[str]:

@@ -67,6 +67,11 @@ class RequestAccounting:
             slowest=slowest,
         )
 
+    @property
+    def in_flight(self) -> int:
+        """Requests in the engine now (entered, not finished)."""
+        return self._in_flight
+
     # -- events ----------------------------------------------------------------------------------
     def paused(self, paused: bool) -> None:
         """Admission was held (True) or opened again (False)."""

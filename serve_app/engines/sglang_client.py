@@ -6,6 +6,9 @@ request structs ignore unknown fields, so a misspelt field would silently do not
 we send are strict pydantic models (`extra="forbid"`), and the fake server in tests/ can reject
 unknown fields outright.
 
+`/generate` streams server-sent events (`SglangClient.stream`); closing that iterator closes the
+HTTP stream, and SGLang aborts a request whose client went away.
+
 Errors: every failed call raises `SglangError`, whose message names the server URL, the route,
 the HTTP status and SGLang's own message. A profiler start/stop that SGLang refuses surfaces as a
 bare HTTP 500 "Internal Server Error" (the route lets the RuntimeError escape; the reason is only
@@ -14,8 +17,9 @@ in the server's log), so the client appends the server log's last lines when it 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Literal, TypeVar
+import json
+from collections.abc import AsyncGenerator, Callable
+from typing import Any, Literal, TypeVar
 
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -79,11 +83,28 @@ class ContinueGenerationBody(_Request):
 
 
 class SamplingParams(_Request):
-    """The `sampling_params` of `/generate` that we set (SGLang's SamplingParams keywords)."""
+    """The `sampling_params` of `/generate` (SGLang's SamplingParams keywords,
+    `sglang/srt/sampling/sampling_params.py`). Every field is sent, so that no SGLang default
+    differing from ours applies; `sampling_seed`, `stop` and `stop_token_ids` only when set
+    (older servers refuse an unknown `sampling_seed` key)."""
 
     max_new_tokens: int = Field(ge=1)
     temperature: float = Field(ge=0.0)
+    """Below 1e-6 SGLang samples greedily (it sets top_k=1)."""
+    top_p: float
+    top_k: int
+    """-1: the whole vocabulary (SGLang's "disable"; newer versions store it as 1 << 30)."""
+    min_p: float
     sampling_seed: int | None = None
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool
+    min_new_tokens: int
+    repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
+    no_stop_trim: bool
+    """Keep a matched stop string in SGLang's `text` (we read token ids: they always keep it)."""
 
 
 class GenerateBody(_Request):
@@ -91,26 +112,66 @@ class GenerateBody(_Request):
 
     input_ids: list[int] = Field(min_length=1)
     sampling_params: SamplingParams
-    return_logprob: bool = True
+    stream: bool = False
+    return_logprob: bool = False
+    top_logprobs_num: int | None = Field(None, ge=0)
+    """The most likely tokens' logprobs per position, output and prompt alike."""
+    logprob_start_len: int | None = None
+    """0: also every prompt token's logprob (the first is null); SGLang's default -1: none."""
 
 
 class FinishReason(_Answer):
-    """`meta_info.finish_reason`: {"type": "length", "length": n}, {"type": "stop",
-    "matched": ...} or {"type": "abort", "message": ...}."""
+    """`meta_info.finish_reason` (schedule_batch.py's FINISH_* `to_json`): {"type": "length",
+    "length": n}, {"type": "stop", "matched": token id or stop string} or {"type": "abort",
+    "message": ..., "status_code": ...}."""
 
     type: str
+    matched: int | str | list[int] | None = None
     message: str | None = None
+    status_code: int | None = None
+
+
+class WeightVersionSpanAnswer(_Answer):
+    """One span of `meta_info.weight_versions` (sglang/srt/utils/weight_versions.py)."""
+
+    version: str
+    start: int
+    end: int
+
+
+LogprobEntry = tuple[float, int, str | None]
+"""SGLang's (logprob, token id, text or null) of one token (`detokenize_logprob_tokens`)."""
+PromptLogprobEntry = tuple[float | None, int, str | None]
+"""The same for a prompt token: the first prompt token's logprob is null."""
 
 
 class GenerateMetaInfo(_Answer):
+    """`meta_info` of a `/generate` answer or stream chunk (tokenizer_manager.py,
+    `_handle_batch_output`)."""
+
     finish_reason: FinishReason | None = None
+    """Null on every stream chunk but the last."""
     weight_version: str | None = None
-    """The server's `weight_version` when the answer was built (SGLang's default is "default")."""
-    output_token_logprobs: list[tuple[float, int, str | None]] = Field(default_factory=list)
-    """One (logprob, token id, text or null) per generated token when `return_logprob` is set."""
+    """The server's `weight_version` when the chunk was built (SGLang's default is "default")."""
+    weight_versions: list[WeightVersionSpanAnswer] | None = None
+    """Newer servers, on the finished chunk: the version of every span of output tokens."""
+    completion_tokens: int
+    """Output tokens so far (cumulative in both streaming modes)."""
+    output_token_logprobs: list[LogprobEntry] = Field(default_factory=list)
+    """One per output token with `return_logprob` (all so far, or this chunk's with SGLang's
+    --incremental-streaming-output)."""
+    output_top_logprobs: list[list[LogprobEntry] | None] = Field(default_factory=list)
+    """Per output token, the `top_logprobs_num` most likely tokens' (sliced as above)."""
+    input_token_logprobs: list[PromptLogprobEntry] = Field(default_factory=list)
+    """Per prompt token from `logprob_start_len` (never sliced)."""
+    input_top_logprobs: list[list[LogprobEntry] | None] = Field(default_factory=list)
+    """Per prompt token, the most likely tokens' (the first position: null)."""
 
 
-class GenerateAnswer(_Answer):
+class GenerateChunk(_Answer):
+    """A `/generate` answer, or one `data:` event of its stream. `output_ids`: all output tokens
+    so far, or this chunk's alone with SGLang's --incremental-streaming-output."""
+
     output_ids: list[int]
     meta_info: GenerateMetaInfo
 
@@ -133,10 +194,30 @@ def _detail(resp: httpx.Response) -> str:
         error = data.get("error")
         if isinstance(error, dict) and "message" in error:  # /generate's {"error": {"message"}}
             return str(error["message"])
+        if isinstance(error, str):  # /generate's JSON-contract refusal
+            return error
         for key in ("message", "detail"):  # ErrorResponse / {success, message} / HTTPException
             if key in data:
                 return str(data[key])
     return resp.text.strip()
+
+
+_DONE = object()
+"""`data: [DONE]`, the end of a `/generate` stream."""
+
+
+def parse_sse_line(line: str) -> Any:
+    """One line of SGLang's event stream (`data: <json>` lines separated by blank lines): the
+    parsed JSON, `_DONE` for `data: [DONE]`, None for a line that carries no data."""
+    if not line.startswith("data:"):
+        return None
+    data = line[len("data:"):].strip()
+    if data == "[DONE]":
+        return _DONE
+    try:
+        return json.loads(data)
+    except ValueError:
+        return data
 
 
 class SglangClient:
@@ -195,6 +276,41 @@ class SglangClient:
                 f"adapter cannot read ({e.error_count()} problems: {e.errors()[0]['msg']}): {resp.text[:300]!r}; "
                 "is the server an SGLang 0.5.x?",
                 status=resp.status_code,
+            ) from e
+
+    async def stream(self, route: str, body: BaseModel) -> AsyncGenerator[dict[str, Any], None]:
+        """POST `body` to a streaming route; each server-sent `data: {...}` event as parsed JSON,
+        until `data: [DONE]`. Closing this iterator closes the HTTP stream (SGLang aborts a
+        request whose client went away). An error event (`{"error": {"message"}}`, what SGLang
+        streams for a ValueError raised after the answer began) raises SglangError with the
+        error's `code` as status."""
+        payload = body.model_dump(exclude_none=True)
+        try:
+            async with self._http.stream("POST", route, json=payload) as resp:
+                self.unreachable = None
+                if not resp.is_success:
+                    await resp.aread()
+                    raise SglangError(self.describe(route, resp), status=resp.status_code)
+                async for line in resp.aiter_lines():
+                    event = parse_sse_line(line)
+                    if event is _DONE:
+                        return
+                    if event is None:
+                        continue
+                    if not isinstance(event, dict):
+                        raise SglangError(f"SGLang at {self.url} streamed an event this adapter cannot read on POST {route}: {line[:300]!r}")
+                    if isinstance(error := event.get("error"), dict):
+                        code = error.get("code")
+                        raise SglangError(
+                            f"SGLang at {self.url} streamed an error on POST {route}: {error.get('message')}",
+                            status=code if isinstance(code, int) else None,
+                        )
+                    yield event
+        except httpx.HTTPError as e:
+            self.unreachable = f"{type(e).__name__}: {e}"
+            raise SglangError(
+                f"SGLang at {self.url} broke off POST {route} ({self.unreachable}); "
+                "is the server running and reachable from this replica?"
             ) from e
 
     def describe(self, route: str, resp: httpx.Response) -> str:

@@ -2,6 +2,10 @@
 
 * Server: `sglang.url` if set, else the replica launches `sglang.server_command` as a child
   process (serve_app/engines/sglang_server.py) and terminates it on shutdown.
+* Generation: `POST /generate` with the sequence's sampling as SGLang's `sampling_params`
+  (`generate_body`), streamed as server-sent events when the caller streams; each chunk's
+  `meta_info.weight_version` is the version of its tokens, and newer servers give exact
+  `weight_versions` spans when the sequence finishes (`ChunkReader`).
 * Profiling: `POST /start_profile` with `output_dir` = this replica's own trace directory,
   `profile_prefix` = "step<k>[-tag]" (SGLang names the files `<prefix>-<profile_id>-TP-<tp>...
   .trace.json.gz`), `num_steps` = max_forward_steps (SGLang stops and writes the trace by itself
@@ -21,10 +25,15 @@ source each request follows and what has not run on real hardware.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
+from collections.abc import AsyncGenerator
 from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
 
 from profiling.backends.base import ProfilerBackend
 from profiling.backends.nsys_profiler import REPORT_WHERE
@@ -33,12 +42,15 @@ from profiling.session import SessionSpec
 from profiling.step_ranges import SGLANG_BATCH
 from profiling.store import atomic_write_text
 from serve_app.config import AppArgs
-from serve_app.engines.base import GenerateRequest, GenerateResult, RolloutEngine
+from serve_app.engines.base import RolloutEngine
 from serve_app.engines.engine_profiler import EngineProfiler
+from serve_app.engines.generation import GenerateDelta, GenerateRequest, TokenLogprobs
 from serve_app.engines.sglang_client import (
     ContinueGenerationBody,
-    GenerateAnswer,
     GenerateBody,
+    GenerateChunk,
+    GenerateMetaInfo,
+    LogprobEntry,
     PauseGenerationBody,
     SamplingParams,
     SglangClient,
@@ -48,6 +60,7 @@ from serve_app.engines.sglang_client import (
     UpdateWeightsFromDiskBody,
 )
 from serve_app.engines.sglang_server import SglangServer, wait_ready
+from serve_app.openai_api import WeightVersionSpan
 from serve_app.weights import WeightsError, stage_weights
 
 log = logging.getLogger(__name__)
@@ -142,6 +155,147 @@ class SglangProfiler(EngineProfiler):
         atomic_write_text(self.trace_dir / f"{self.prefix}-nsys_capture.json", json.dumps(note, indent=2) + "\n")
 
 
+def generate_body(request: GenerateRequest) -> GenerateBody:
+    """The `/generate` body for one sequence of `request` (docs/sglang.md#sampling). ValueError
+    for what SGLang would silently do otherwise than asked."""
+    s = request.sampling
+    if s.ignore_eos and s.stop_token_ids:
+        raise ValueError(
+            "engine 'sglang' cannot honour stop_token_ids together with ignore_eos: SGLang's ignore_eos "
+            "also ignores stop_token_ids; drop one of them"
+        )
+    if s.min_tokens and s.stop:
+        raise ValueError(
+            "engine 'sglang' cannot honour min_tokens together with stop strings: SGLang's min_new_tokens "
+            "holds back EOS and stop tokens only, a stop string still ends the sequence earlier; drop one of them"
+        )
+    asks_logprobs = s.logprobs is not None or s.prompt_logprobs is not None
+    top = max(s.logprobs or 0, s.prompt_logprobs or 0)  # SGLang has one count for output and prompt
+    return GenerateBody(
+        input_ids=request.prompt_token_ids,
+        sampling_params=SamplingParams(
+            max_new_tokens=s.max_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k if s.top_k > 0 else -1,
+            min_p=s.min_p,
+            sampling_seed=s.seed,
+            stop=s.stop or None,
+            stop_token_ids=s.stop_token_ids or None,
+            ignore_eos=s.ignore_eos,
+            min_new_tokens=s.min_tokens,
+            repetition_penalty=s.repetition_penalty,
+            presence_penalty=s.presence_penalty,
+            frequency_penalty=s.frequency_penalty,
+            no_stop_trim=s.include_stop_str_in_output,
+        ),
+        stream=request.stream,
+        return_logprob=asks_logprobs,
+        top_logprobs_num=top if top else None,
+        logprob_start_len=0 if s.prompt_logprobs is not None else None,
+    )
+
+
+class ChunkReader:
+    """Turns one sequence's `/generate` answer, or each chunk of its stream, into deltas.
+
+    SGLang streams either every output token so far (its default) or only the new ones (its
+    --incremental-streaming-output); `meta_info.completion_tokens` counts all output tokens so
+    far in both modes, so the new tokens are always the last `completion_tokens - seen` of
+    `output_ids`, and their logprobs sit at the same offset in the logprob lists."""
+
+    def __init__(self, request: GenerateRequest, url: str):
+        self._sampling = request.sampling
+        self._prompt_len = len(request.prompt_token_ids)
+        self._url = url
+        self.seen = 0
+        """Output tokens delivered so far."""
+        self.finished = False
+
+    def read(self, chunk: GenerateChunk) -> GenerateDelta:
+        if self.finished:
+            raise SglangError(f"SGLang at {self._url} sent output after the sequence finished")
+        meta = chunk.meta_info
+        new = meta.completion_tokens - self.seen
+        offset = len(chunk.output_ids) - new  # `seen` in SGLang's cumulative mode, 0 in incremental
+        if new < 0 or offset not in (0, self.seen):
+            raise SglangError(
+                f"SGLang at {self._url} sent {len(chunk.output_ids)} output ids for {meta.completion_tokens} "
+                f"completion tokens after {self.seen}: not a stream this adapter can read"
+            )
+        delta = GenerateDelta(
+            token_ids=chunk.output_ids[offset:],
+            weight_version=None if meta.weight_version is None else _version(meta.weight_version),
+        )
+        if self._sampling.logprobs is not None:
+            delta.logprobs = self._output_logprobs(meta, offset, new)
+        if self.seen == 0 and self._sampling.prompt_logprobs is not None:
+            delta.prompt_logprobs = self._prompt_logprobs(meta)
+        self.seen += new
+        if meta.finish_reason is not None:
+            self._finish(delta, meta)
+        return delta
+
+    def _output_logprobs(self, meta: GenerateMetaInfo, offset: int, new: int) -> list[TokenLogprobs]:
+        k = self._sampling.logprobs or 0
+        entries = meta.output_token_logprobs[offset : offset + new]
+        tops = meta.output_top_logprobs[offset : offset + new] if k else []
+        if len(entries) != new or (k and len(tops) != new):
+            raise SglangError(
+                f"SGLang at {self._url} sent {len(entries)} logprobs ({len(tops)} top lists) for {new} new tokens"
+            )
+        return [
+            TokenLogprobs(logprob=lp, top=_top(tops[i], k) if k else {}) for i, (lp, _, _) in enumerate(entries)
+        ]
+
+    def _prompt_logprobs(self, meta: GenerateMetaInfo) -> list[TokenLogprobs | None]:
+        k = self._sampling.prompt_logprobs or 0
+        entries, tops = meta.input_token_logprobs, meta.input_top_logprobs
+        if len(entries) != self._prompt_len or (k and len(tops) != self._prompt_len):
+            raise SglangError(
+                f"SGLang at {self._url} sent {len(entries)} prompt logprobs for a prompt of {self._prompt_len} tokens"
+            )
+        return [
+            None if lp is None else TokenLogprobs(logprob=lp, top=_top(tops[i], k) if k else {})
+            for i, (lp, _, _) in enumerate(entries)
+        ]
+
+    def _finish(self, delta: GenerateDelta, meta: GenerateMetaInfo) -> None:
+        reason = meta.finish_reason
+        assert reason is not None
+        if reason.type == "abort":
+            message = f"SGLang at {self._url} aborted the request: {reason.message}"
+            if reason.status_code == 400:  # SGLang refused the request itself
+                raise ValueError(message)
+            raise SglangError(message, status=reason.status_code)
+        self.finished = True
+        delta.finish_reason = "stop" if reason.type == "stop" else "length"
+        matched = reason.matched
+        if isinstance(matched, str) and matched in self._sampling.stop:
+            delta.stop_reason = matched
+        elif isinstance(matched, int) and matched in self._sampling.stop_token_ids:
+            delta.stop_reason = matched  # else EOS: None
+        if meta.weight_versions:
+            delta.weight_versions = [
+                WeightVersionSpan(version=_version(s.version), start=s.start, end=s.end) for s in meta.weight_versions
+            ]
+
+
+def _top(entries: list[LogprobEntry] | None, k: int) -> dict[int, float]:
+    """The `k` most likely tokens' logprobs of one position (SGLang's list is sorted)."""
+    return {token: lp for lp, token, _ in (entries or [])[:k]}
+
+
+def _chunk(event: dict[str, Any], url: str) -> GenerateChunk:
+    try:
+        return GenerateChunk.model_validate(event)
+    except ValidationError as e:
+        raise SglangError(
+            f"SGLang at {url} streamed a /generate event this adapter cannot read ({e.error_count()} problems: "
+            f"{e.errors()[0]['msg']}): {str(event)[:300]!r}; is the server an SGLang 0.5.x?"
+        ) from e
+
+
 class SglangEngine(RolloutEngine[Path]):
     def _open(self, args: AppArgs, model_dir: Path) -> None:
         opts = args.sglang
@@ -164,39 +318,23 @@ class SglangEngine(RolloutEngine[Path]):
         )
         self._probe: asyncio.Future[None] | None = None
 
-    async def _generate(self, request: GenerateRequest) -> GenerateResult:
-        body = GenerateBody(
-            input_ids=request.prompt_token_ids,
-            sampling_params=SamplingParams(
-                max_new_tokens=request.max_tokens, temperature=request.temperature, sampling_seed=request.seed
-            ),
-        )
-        with self.versions_seen() as versions:
-            try:
-                answer = await self._client.call_for("/generate", body, GenerateAnswer)
-            except SglangError as e:
-                if e.status == 400:  # SGLang's ValueError: the request itself is unusable
-                    raise ValueError(str(e)) from e
-                raise
-        meta = answer.meta_info
-        reason = meta.finish_reason.type if meta.finish_reason else "length"
-        if meta.finish_reason is not None and reason == "abort":
-            raise SglangError(f"SGLang at {self._client.url} aborted the request: {meta.finish_reason.message}")
-        if len(meta.output_token_logprobs) != len(answer.output_ids):
-            raise SglangError(
-                f"SGLang at {self._client.url} returned {len(answer.output_ids)} tokens but "
-                f"{len(meta.output_token_logprobs)} logprobs"
-            )
-        # SGLang reports only the version serving when the request finished.
-        served = _version(meta.weight_version)
-        if served is not None:
-            versions.add(served)
-        return GenerateResult(
-            token_ids=answer.output_ids,
-            logprobs=[lp for lp, _, _ in meta.output_token_logprobs],
-            finish_reason="stop" if reason == "stop" else "length",
-            weight_versions=sorted(versions) or [self.weight_version],
-        )
+    async def _stream(self, request: GenerateRequest) -> AsyncGenerator[GenerateDelta, None]:
+        body = generate_body(request)
+        reader = ChunkReader(request, self._client.url)
+        try:
+            if request.stream:
+                # Closing this iterator closes the HTTP stream now, not when the stream is collected.
+                async with contextlib.aclosing(self._client.stream("/generate", body)) as events:
+                    async for event in events:
+                        yield reader.read(_chunk(event, self._client.url))
+            else:
+                yield reader.read(await self._client.call_for("/generate", body, GenerateChunk))
+        except SglangError as e:
+            if e.status == 400:  # SGLang's ValueError: the request itself is unusable
+                raise ValueError(str(e)) from e
+            raise
+        if not reader.finished:
+            raise SglangError(f"SGLang at {self._client.url} ended the /generate stream before the sequence finished")
 
     def _profiler(self, spec: SessionSpec) -> ProfilerBackend:
         assert self._loop is not None, "the session starts a recording only from start_profile"
@@ -237,6 +375,8 @@ class SglangEngine(RolloutEngine[Path]):
             await asyncio.to_thread(self._server.terminate)
 
 
-def _version(reported: str | None) -> int | None:
-    """Our integer version from SGLang's `weight_version` string (None: not one of ours)."""
-    return int(reported) if reported is not None and reported.isdigit() else None
+def _version(reported: str) -> int:
+    """Our integer version from SGLang's `weight_version` label. Every label this adapter sets
+    is an integer (`update_weights_from_disk`); any other (SGLang's "default", or a server's
+    --weight-version) is the label the server was launched with, serving version 0."""
+    return int(reported) if reported.isdigit() else 0

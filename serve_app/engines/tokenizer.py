@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 
 class HfTokenizerMixin:
@@ -31,6 +32,19 @@ class HfTokenizerMixin:
         text = self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
         assert isinstance(text, str), "one sequence of ids decodes to one string"
         return text
+
+    def chat_prompt(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+        """The token ids of `messages` rendered with the model's chat template. ValueError (a
+        422) when the model has none."""
+        if not getattr(self._tokenizer, "chat_template", None):
+            raise ValueError(
+                "the served model's tokenizer has no chat template (tokenizer_config.json chat_template): "
+                "use /v1/completions, or serve a model that has one"
+            )
+        rendered: Any = self._tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=True
+        )
+        return list(rendered["input_ids"])
 
     def check_prompt(self, token_ids: list[int]) -> None:
         """ValueError (a 422 for the caller) naming ids the model cannot embed."""

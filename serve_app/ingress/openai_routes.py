@@ -1,46 +1,84 @@
-"""/v1/models and /v1/completions (OpenAI shape, plus token ids and weight versions).
-Generation goes through the load balancer; it never needs the control token."""
+"""/v1/models, /v1/completions and /v1/chat/completions (OpenAI's shapes, plus token ids and
+weight-version spans; docs/http_api.md#openai-routes). Generation goes through the load
+balancer, one handle call per prompt (its `n` choices stay on one replica, sharing its prefix
+cache); it never needs the control token."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+import logging
 import time
 import uuid
+from collections.abc import AsyncIterator, Iterator
+from typing import Any, cast
 
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
-from ray.serve.handle import DeploymentHandle
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from serve_app.api import (
+from serve_app.api import ErrorResponse
+from serve_app.choices import JobAccepted, JobDone, JobResult, OpenAIRequest, PromptJob
+from serve_app.engines.base import merged
+from serve_app.engines.options import EngineOptions
+from serve_app.errors import ControlError, NotFound, Refused, Unavailable
+from serve_app.ingress.settings import current
+from serve_app.limits import RequestLimits
+from serve_app.openai_api import (
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChunk,
     CompletionRequest,
     CompletionResponse,
-    CompletionUsage,
-    ErrorResponse,
     ModelCard,
     ModelList,
+    Usage,
 )
-from serve_app.errors import NotFound, Refused, Unavailable
-from serve_app.limits import RequestLimits
+
+log = logging.getLogger(__name__)
 
 BUSY_RETRY_AFTER_S = 1
 """Seconds a caller turned away by a full queue waits before it retries."""
+
+_GENERATION_ERRORS: dict[int | str, dict[str, Any]] = {
+    404: {"model": ErrorResponse, "description": "The request names a model this app does not serve."},
+    413: {"model": ErrorResponse, "description": "Body over request_limits.max_body_bytes."},
+    422: {
+        "model": ErrorResponse,
+        "description": "A field out of range, one the engine cannot honour, or a prompt that does not fit the context.",
+    },
+    503: {"model": ErrorResponse, "description": "Queue full or no replica running; retry after Retry-After."},
+}
+
+
+def _streamed(model: type) -> dict[int | str, dict[str, Any]]:
+    return {
+        200: {
+            "model": model,
+            "content": {"text/event-stream": {"schema": {"type": "string"}}},
+            "description": "With `stream: true`, server-sent events: `data: <chunk>` lines, then `data: [DONE]`.",
+        },
+        **_GENERATION_ERRORS,
+    }
 
 
 class OpenAIRoutesMixin:
     replicas: DeploymentHandle
     model_name: str
     request_limits: RequestLimits
+    engine_options: EngineOptions
+    num_replicas: int
 
     ENDPOINTS = {
         "list_models": lambda app: app.get("/v1/models", tags=["openai"]),
         "completions": lambda app: app.post(
-            "/v1/completions",
-            responses={
-                404: {"model": ErrorResponse},
-                413: {"model": ErrorResponse, "description": "Body over request_limits.max_body_bytes."},
-                422: {"model": ErrorResponse},
-                503: {"model": ErrorResponse, "description": "Queue full or no replica running; retry after Retry-After."},
-            },
-            tags=["openai"],
+            "/v1/completions", response_model=None, responses=_streamed(CompletionResponse), tags=["openai"]
+        ),
+        "chat_completions": lambda app: app.post(
+            "/v1/chat/completions", response_model=None, responses=_streamed(ChatCompletionResponse), tags=["openai"]
         ),
     }
 
@@ -48,52 +86,181 @@ class OpenAIRoutesMixin:
         """The one served model."""
         return ModelList(data=[ModelCard(id=self.model_name, created=int(time.time()))])
 
-    async def completions(self, body: CompletionRequest) -> CompletionResponse:
-        """OpenAI completions; each choice carries its token ids and weight version."""
-        if body.model is not None and body.model != self.model_name:
-            raise NotFound(f"model {body.model!r} is not served; this app serves {self.model_name!r}")
-        prompts = [body.prompt] if isinstance(body.prompt, str) or isinstance(body.prompt[0], int) else body.prompt
-        self._check_size(prompts)
-        try:
-            choices = await asyncio.gather(
-                *(self.replicas.complete.remote(p, body, i) for i, p in enumerate(prompts))
+    async def completions(self, body: CompletionRequest) -> Response:
+        """OpenAI completions; each choice adds its token ids and weight-version spans."""
+        prompts = body.prompts()
+        self._check(body, len(prompts))
+        for i, p in enumerate(prompts):
+            if isinstance(p, str) and len(p) > self.request_limits.max_prompt_chars:
+                raise Refused(
+                    f"prompt {i}: {len(p)} characters, over request_limits.max_prompt_chars "
+                    f"{self.request_limits.max_prompt_chars}"
+                )
+        jobs = [PromptJob(request=body, prompt_index=i, prompt=p) for i, p in enumerate(prompts)]
+        if body.stream:
+            return await self._stream(body, jobs, CompletionChunk, "cmpl")
+        results = await self._run(jobs)
+        return _json(
+            CompletionResponse(
+                id=f"cmpl-{uuid.uuid4().hex}",
+                created=int(time.time()),
+                model=self.model_name,
+                choices=[c for r in results for c in r.choices],
+                usage=_usage(results),
+                weight_version=min(c.weight_version for r in results for c in r.choices),
             )
-        except ValueError as e:
-            # The replica's own message, not Ray's wrapper around it (a remote traceback).
-            raise Refused(f"prompt: {getattr(e, 'cause', e)}") from e
-        except BackPressureError as e:  # Serve's own answer to it is a bare text without Retry-After
-            raise Unavailable(
-                "every replica's queue is full (request_limits.max_queued_requests): retry after Retry-After "
-                "seconds, or add replicas",
-                retry_after_s=BUSY_RETRY_AFTER_S,
-            ) from e
-        except DeploymentUnavailableError as e:
-            raise Unavailable(
-                "no rollout replica is running (still starting, or failing to start: see `serve status`)",
-                retry_after_s=BUSY_RETRY_AFTER_S,
-            ) from e
-        prompt_tokens = sum(len(c.prompt_token_ids) for c in choices)
-        completion_tokens = sum(len(c.token_ids) for c in choices)
-        return CompletionResponse(
-            id=f"cmpl-{uuid.uuid4().hex}",
-            created=int(time.time()),
-            model=self.model_name,
-            choices=list(choices),
-            usage=CompletionUsage(
-                prompt_tokens=prompt_tokens,
-                completion_tokens=completion_tokens,
-                total_tokens=prompt_tokens + completion_tokens,
-            ),
-            weight_version=min(c.weight_version for c in choices),
         )
 
-    def _check_size(self, prompts: list[str] | list[list[int]] | list[str | list[int]]) -> None:
-        """Before anything is tokenized or queued: the number of prompts and each text's length."""
+    async def chat_completions(self, body: ChatCompletionRequest) -> Response:
+        """OpenAI chat completions over the model's chat template; each choice adds the token ids
+        of prompt and answer and the answer's weight-version spans."""
+        self._check(body, 1)
+        chars = sum(len(m.text()) for m in body.messages)
+        if chars > self.request_limits.max_prompt_chars:
+            raise Refused(
+                f"messages: {chars} characters, over request_limits.max_prompt_chars "
+                f"{self.request_limits.max_prompt_chars}"
+            )
+        jobs = [PromptJob(request=body, prompt_index=0)]
+        if body.stream:
+            return await self._stream(body, jobs, ChatCompletionChunk, "chatcmpl")
+        results = await self._run(jobs)
+        return _json(
+            ChatCompletionResponse(
+                id=f"chatcmpl-{uuid.uuid4().hex}",
+                created=int(time.time()),
+                model=self.model_name,
+                choices=results[0].choices,
+                usage=_usage(results),
+                weight_version=min(c.weight_version for c in results[0].choices),
+            )
+        )
+
+    # -- internals -------------------------------------------------------------------------
+    def _check(self, body: OpenAIRequest, prompts: int) -> None:
+        """Before anything is tokenized or queued: the model, the engine's fields, the size."""
+        if body.model is not None and body.model != self.model_name:
+            raise NotFound(f"model {body.model!r} is not served; this app serves {self.model_name!r}")
+        options = self.engine_options
+        for name, why in options.unsupported_sampling.items():
+            if name in body.model_fields_set and getattr(body, name) != type(body).model_fields[name].default:
+                raise Refused(f"{name} is not available with engine {options.engine!r}: {why}")
         limits = self.request_limits
-        if len(prompts) > limits.max_prompts:
-            raise Refused(f"prompt: {len(prompts)} prompts, over request_limits.max_prompts {limits.max_prompts}")
-        for i, p in enumerate(prompts):
-            if isinstance(p, str) and len(p) > limits.max_prompt_chars:
-                raise Refused(
-                    f"prompt {i}: {len(p)} characters, over request_limits.max_prompt_chars {limits.max_prompt_chars}"
-                )
+        if prompts > limits.max_prompts:
+            raise Refused(f"prompt: {prompts} prompts, over request_limits.max_prompts {limits.max_prompts}")
+        if prompts * body.n > limits.max_choices:
+            raise Refused(
+                f"{prompts} prompts x n={body.n} = {prompts * body.n} choices, over request_limits.max_choices "
+                f"{limits.max_choices}"
+            )
+
+    def _calls(self, jobs: list[PromptJob]) -> list[list[PromptJob]]:
+        """The prompts of a request in as few handle calls as still spread it over the replicas
+        (a call costs more than a prompt): up to one contiguous slice per replica."""
+        k = min(len(jobs), self.num_replicas)
+        size = -(-len(jobs) // k)
+        return [jobs[i : i + size] for i in range(0, len(jobs), size)]
+
+    async def _run(self, jobs: list[PromptJob]) -> list[JobResult]:
+        with _dispatch_errors():
+            parts = await asyncio.gather(*(self.replicas.run_jobs.remote(c) for c in self._calls(jobs)))
+        return [r for part in parts for r in part]
+
+    async def _stream(
+        self,
+        body: OpenAIRequest,
+        jobs: list[PromptJob],
+        chunk: type[CompletionChunk | ChatCompletionChunk],
+        prefix: str,
+    ) -> StreamingResponse:
+        """Start every job and wait for each to be accepted (so a prompt that does not fit, or a
+        full queue, is still a 4xx/503), then stream their pieces as server-sent events."""
+        streaming = self.replicas.options(stream=True)
+        streams = [cast(DeploymentResponseGenerator, streaming.stream_jobs.remote(c)) for c in self._calls(jobs)]
+        try:
+            with _dispatch_errors():
+                accepted = [await s.__anext__() for s in streams]
+        except BaseException:
+            for s in streams:
+                s.cancel()
+            raise
+        prompt_tokens = sum(a.prompt_tokens for a in accepted if isinstance(a, JobAccepted))
+        head = dict(id=f"{prefix}-{uuid.uuid4().hex}", created=int(time.time()), model=self.model_name)
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+
+        async def events() -> AsyncIterator[bytes]:
+            completion_tokens = 0
+            try:
+                async for _, item in merged(streams):
+                    if isinstance(item, JobDone):
+                        completion_tokens += item.completion_tokens
+                    else:
+                        yield _event(chunk(**head, choices=[item]))
+                if include_usage:
+                    usage = Usage(
+                        prompt_tokens=prompt_tokens,
+                        completion_tokens=completion_tokens,
+                        total_tokens=prompt_tokens + completion_tokens,
+                    )
+                    yield _event(chunk(**head, choices=[], usage=usage))
+            except Exception as e:  # noqa: BLE001 - the status is sent: the error goes in the stream
+                yield _event(_stream_error(e))
+            finally:
+                # The caller went away (or the stream ended): abort whatever still runs.
+                for s in streams:
+                    s.cancel()
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _json(answer: CompletionResponse | ChatCompletionResponse) -> Response:
+    """The answer as JSON, serialized by pydantic (FastAPI's encoder walks every token id in
+    Python: many times slower for n choices of long answers)."""
+    return Response(answer.model_dump_json(), media_type="application/json")
+
+
+def _usage(results: list[JobResult]) -> Usage:
+    prompt = sum(r.prompt_tokens for r in results)
+    completion = sum(r.completion_tokens for r in results)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def _event(payload: BaseModel | dict[str, Any]) -> bytes:
+    data = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
+    return f"data: {data}\n\n".encode()
+
+
+def _stream_error(e: Exception) -> dict[str, Any]:
+    """An error after the 200 was sent, as OpenAI streams it: `data: {"error": {...}}`."""
+    try:
+        with _dispatch_errors():
+            raise e
+    except ControlError as known:
+        status, message = known.status, known.detail
+    except Exception as other:  # noqa: BLE001 - logged; the caller gets its first line
+        log.error("a streamed generation failed", exc_info=other)
+        cause = str(getattr(other, "cause", None) or other).strip().splitlines()
+        status, message = 500, f"{type(other).__name__}: {cause[0] if cause else ''}"
+    return {"error": {"message": current().redact(message), "code": status}}
+
+
+@contextlib.contextmanager
+def _dispatch_errors() -> Iterator[None]:
+    """A replica's refusal as a 422 with its own message (not Ray's wrapper around it, a remote
+    traceback), a full queue or no replica as a 503 with Retry-After."""
+    try:
+        yield
+    except ValueError as e:
+        raise Refused(f"prompt: {getattr(e, 'cause', e)}") from e
+    except BackPressureError as e:  # Serve's own answer to it is a bare text without Retry-After
+        raise Unavailable(
+            "every replica's queue is full (request_limits.max_queued_requests): retry after Retry-After "
+            "seconds, or add replicas",
+            retry_after_s=BUSY_RETRY_AFTER_S,
+        ) from e
+    except DeploymentUnavailableError as e:
+        raise Unavailable(
+            "no rollout replica is running (still starting, or failing to start: see `serve status`)",
+            retry_after_s=BUSY_RETRY_AFTER_S,
+        ) from e

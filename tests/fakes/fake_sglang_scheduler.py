@@ -13,9 +13,18 @@ then `flush_cache`, whose failure is an assertion that kills the scheduler):
 * generation runs the real checkpoint at --model-path with transformers, on CPU, without a KV
   cache (each step re-reads the whole sequence);
 * pause modes: `abort` ends every request, `retract` sets running requests aside (they keep
-  their tokens and continue after /continue_generation), `in_place` freezes them where they are.
+  their tokens and continue after /continue_generation), `in_place` freezes them where they are;
+* sampling (`sglang/srt/sampling/sampling_params.py`, `penaltylib/`, `schedule_batch.py`'s
+  `update_finish_state`): penalties, min_new_tokens masking EOS and stop tokens, temperature,
+  top-k/top-p/min-p, a per-request generator for `sampling_seed`; finishing on a stop string
+  (`matched`: the string), else a stop token or EOS (none with ignore_eos, which in SGLang also
+  ignores stop_token_ids), else the length; logprobs with `top_logprobs_num` and prompt logprobs
+  from `logprob_start_len`;
+* weight versions (`sglang/srt/utils/weight_versions.py`): each chunk's `weight_version`, and on
+  the finished one the `weight_versions` spans over the output.
 
-Not copied: batching across requests inside one forward, KV cache, radix cache, streaming,
+Not copied: batching across requests inside one forward, KV cache, radix cache, the stream's
+hold-back of a possible stop-string prefix, stop_regex, grammars, logit_bias, n > 1 and beams,
 tensor/pipeline parallelism (always TP-0), CUDA (GPU activity is recorded only where CUDA exists;
 CUDA_PROFILER, MEM and RPD activities fail cleanly instead of crashing as they would on CPU).
 """
@@ -23,7 +32,6 @@ CUDA_PROFILER, MEM and RPD activities fail cleanly instead of crashing as they w
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import os
 import threading
@@ -45,11 +53,16 @@ _IDLE_WAIT_S = 0.05
 _NEEDS_DEVICE = {"CUDA_PROFILER", "MEM", "RPD", "XPU"}
 
 
+_SAMPLING_EPS = 1e-6
+TOP_K_ALL = 1 << 30
+
+
 @dataclass
 class SamplingParams:
-    """SGLang's SamplingParams keywords (`sglang/srt/sampling/sampling_params.py`): an unknown
-    keyword is a TypeError, as in SGLang. The fake acts on max_new_tokens, temperature,
-    ignore_eos, stop_token_ids and sampling_seed; it accepts and ignores the others."""
+    """SGLang's SamplingParams keywords (`sglang/srt/sampling/sampling_params.py`, 0.5.23): an
+    unknown keyword is a TypeError, as in SGLang. The fake acts on max_new_tokens, stop,
+    stop_token_ids, temperature, top_p, top_k, min_p, the three penalties, min_new_tokens,
+    ignore_eos and sampling_seed; it accepts and ignores the others (grammars, n, beams, ...)."""
 
     max_new_tokens: int = 128
     stop: str | list[str] | None = None
@@ -57,13 +70,14 @@ class SamplingParams:
     stop_regex: str | list[str] | None = None
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = -1
+    top_k: int = TOP_K_ALL
     min_p: float = 0.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_new_tokens: int = 0
     n: int = 1
+    beam_width: int | None = None
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
@@ -72,19 +86,45 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
-    custom_params: dict | None = None
     stream_interval: int | None = None
     logit_bias: dict | None = None
     sampling_seed: int | None = None
+    custom_params: dict | None = None
+    watermark: dict | None = None
+
+    def __post_init__(self) -> None:
+        """SGLang's special cases: near-zero temperature is greedy (top_k 1), -1 is no top-k."""
+        if 0 <= self.temperature < _SAMPLING_EPS:
+            self.temperature = 1.0
+            self.top_k = 1
+        if self.top_k == -1:
+            self.top_k = TOP_K_ALL
+
+    @property
+    def stop_strs(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
     def verify(self) -> None:
         """SGLang's checks and messages (ValueError: HTTP 400 on /generate)."""
         if self.temperature < 0.0:
-            raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
+            raise ValueError(f"temperature must be a non-negative finite number, got {self.temperature}.")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
+        if self.top_k < 1:
+            raise ValueError(f"top_k must be -1 (disable) or at least 1, got {self.top_k}.")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}.")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty must be in (0, 2] (1.0 = no penalty), got {self.repetition_penalty}.")
         if self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be at least 0, got {self.max_new_tokens}.")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(
+                f"min_new_tokens must be in [0, max_new_tokens({self.max_new_tokens})], got {self.min_new_tokens}."
+            )
 
 
 @dataclass
@@ -94,11 +134,21 @@ class Req:
     rid: str
     input_ids: list[int]
     params: SamplingParams
-    return_logprob: bool
-    done: Callable[[dict], None]
-    """Called on the scheduler thread with the finished answer."""
+    emit: Callable[[dict], None]
+    """Called on the scheduler thread with the output so far (after each step of a streamed
+    request, and once finished): cumulative `output_ids` and `meta_info`, as SGLang's tokenizer
+    manager keeps them; the HTTP side slices them for incremental streaming."""
+    stream: bool = False
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    input_logprobs: list[float | None] | None = None
+    input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
+    version_events: list[tuple[str, int]] = field(default_factory=list)
+    """(old version, output tokens then) at each weight-version change while in flight."""
     retractions: int = 0
     created: float = field(default_factory=time.time)
     generator: torch.Generator | None = None
@@ -149,7 +199,7 @@ class ProfilerManager:
     def _init(self, req: ProfileReq, forward_ct: int) -> tuple[bool, str]:
         if self.in_progress:
             return False, "Profiling is already in progress. Call /stop_profile first."
-        self.output_dir = Path(req.output_dir or os.getenv("SGLANG_TORCH_PROFILER_DIR", "/tmp")).expanduser()
+        self.output_dir = Path(req.output_dir or os.getenv("SGLANG_TORCH_PROFILER_DIR") or "/tmp").expanduser()
         self.activities = req.activities if req.activities is not None else ["CPU", "GPU"]
         self.with_stack, self.record_shapes = req.with_stack, req.record_shapes
         self.profile_id = req.profile_id or str(time.time())
@@ -252,6 +302,12 @@ class Scheduler:
             self._cond.notify()
         return await asyncio.wrap_future(fut)
 
+    def control_soon(self, fn: Callable[[], Any]) -> None:
+        """Run `fn` on the scheduler thread between batches, without waiting for it."""
+        with self._cond:
+            self._controls.append((fn, Future()))
+            self._cond.notify()
+
     def shutdown(self) -> None:
         with self._cond:
             self._stopped = True
@@ -278,10 +334,30 @@ class Scheduler:
 
     def abort_all(self) -> None:
         for req in [*self._running, *self._waiting, *self._retracted]:
-            self._finish(req, {"type": "abort", "message": "Abort in waiting queue"})
+            self._finish(req, {"type": "abort", "message": "Abort in waiting queue", "status_code": None, "err_type": None})
         self._running.clear()
         self._waiting.clear()
         self._retracted.clear()
+
+    def abort(self, rid: str) -> None:
+        """Drop one request whose client went away (SGLang's abort on disconnect)."""
+        self._running = [r for r in self._running if r.rid != rid]
+        self._retracted = [r for r in self._retracted if r.rid != rid]
+        self._waiting = deque(r for r in self._waiting if r.rid != rid)
+
+    def live_requests(self) -> int:
+        """Requests running, waiting or retracted (a test's view of freed slots)."""
+        return len(self._running) + len(self._waiting) + len(self._retracted)
+
+    def set_weight_version(self, new: str) -> None:
+        """SGLang's `record_weight_version_change`: every request in flight that has output
+        remembers where the old version's tokens end."""
+        if new == self.weight_version:
+            return
+        for req in [*self._running, *self._waiting, *self._retracted]:
+            if req.output_ids:
+                req.version_events.append((self.weight_version, len(req.output_ids)))
+        self.weight_version = new
 
     def update_weights_from_disk(self, model_path: str, flush_cache: bool) -> tuple[bool, str]:
         """SGLang's path: load (rolling back on failure), then flush the cache, whose failure is
@@ -368,42 +444,128 @@ class Scheduler:
             self._finish(req, {"type": "length", "length": 0})
             return
         ids = torch.tensor([req.input_ids + req.output_ids])
-        logits = self.model(ids).logits[0, -1].float()
+        all_logits = self.model(ids).logits[0].float()
+        if req.return_logprob and req.input_logprobs is None:
+            self._input_logprobs(req, all_logits)
+        logits = all_logits[-1]
         logprobs = torch.log_softmax(logits, dim=-1)
-        if req.params.temperature == 0.0:
-            token = int(logits.argmax())
-        else:
-            probs = torch.softmax(logits / req.params.temperature, dim=-1)
-            token = int(torch.multinomial(probs, 1, generator=req.generator))
+        token = self._sample(req, logits)
         req.output_ids.append(token)
-        req.logprobs.append(float(logprobs[token]))
-        stop_ids = set(req.params.stop_token_ids or []) | ({self.eos} if not req.params.ignore_eos else set())
-        if token in stop_ids:
+        if req.return_logprob:
+            req.logprobs.append(float(logprobs[token]))
+            if req.top_logprobs_num > 0:
+                req.top_logprobs.append(_topk(logprobs, req.top_logprobs_num))
+        reason = self._finish_reason(req, token)
+        if reason is not None:
             self._running.remove(req)
-            self._finish(req, {"type": "stop", "matched": token})
-        elif len(req.output_ids) >= req.params.max_new_tokens:
-            self._running.remove(req)
-            self._finish(req, {"type": "length", "length": len(req.output_ids)})
+            self._finish(req, reason)
+        elif req.stream:
+            req.emit(self._output(req, None))
 
-    def _finish(self, req: Req, finish_reason: dict) -> None:
+    def _input_logprobs(self, req: Req, logits: torch.Tensor) -> None:
+        """SGLang's prompt logprobs from `logprob_start_len`: null for the first position, then
+        each prompt token's logprob given the tokens before it (and the top ones)."""
+        start = max(req.logprob_start_len, 0) if req.logprob_start_len >= 0 else len(req.input_ids)
+        logprobs = torch.log_softmax(logits, dim=-1)
+        req.input_logprobs, req.input_top_logprobs = [], []
+        for i in range(start, len(req.input_ids)):
+            if i == start:
+                req.input_logprobs.append(None)
+                req.input_top_logprobs.append(None)
+                continue
+            req.input_logprobs.append(float(logprobs[i - 1, req.input_ids[i]]))
+            req.input_top_logprobs.append(_topk(logprobs[i - 1], req.top_logprobs_num) if req.top_logprobs_num else None)
+
+    def _sample(self, req: Req, logits: torch.Tensor) -> int:
+        """Penalties, the min_new_tokens mask, temperature, top-k, top-p and min-p, then one
+        draw from the request's own generator (SGLang's sampler, in plain torch)."""
+        p = req.params
+        logits = logits.clone()
+        seen = torch.tensor(req.input_ids + req.output_ids)
+        if p.repetition_penalty != 1.0:
+            scores = logits[seen]
+            logits[seen] = torch.where(scores > 0, scores / p.repetition_penalty, scores * p.repetition_penalty)
+        if req.output_ids and (p.frequency_penalty or p.presence_penalty):
+            counts = torch.bincount(torch.tensor(req.output_ids), minlength=logits.numel()).float()
+            logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+        if len(req.output_ids) < p.min_new_tokens:  # SGLang's min_new_tokens penalizer
+            logits[sorted(self._stop_ids(p, with_eos=True))] = float("-inf")
+        if p.top_k == 1:
+            return int(logits.argmax())
+        probs = torch.softmax(logits / p.temperature, dim=-1)
+        if p.top_k < probs.numel():
+            kth = torch.topk(probs, p.top_k).values[-1]
+            probs[probs < kth] = 0.0
+        if p.top_p < 1.0:
+            ordered, order = torch.sort(probs, descending=True)
+            cut = torch.cumsum(ordered, 0) - ordered > p.top_p * ordered.sum()
+            probs[order[cut]] = 0.0
+        if p.min_p > 0.0:
+            probs[probs < p.min_p * probs.max()] = 0.0
+        return int(torch.multinomial(probs, 1, generator=req.generator))
+
+    def _stop_ids(self, params: SamplingParams, *, with_eos: bool) -> set[int]:
+        return set(params.stop_token_ids or []) | ({self.eos} if with_eos and self.eos is not None else set())
+
+    def _finish_reason(self, req: Req, token: int) -> dict | None:
+        """SGLang's `update_finish_state` order: stop string, then stop token or EOS (none with
+        ignore_eos, which in SGLang also ignores stop_token_ids), then length."""
+        stops = req.params.stop_strs
+        if stops:
+            text = self.tokenizer.decode(req.output_ids)
+            for stop in stops:
+                if stop in text:
+                    return {"type": "stop", "matched": stop}
+        if not req.params.ignore_eos and token in self._stop_ids(req.params, with_eos=True):
+            return {"type": "stop", "matched": token}
+        if len(req.output_ids) >= req.params.max_new_tokens:
+            return {"type": "length", "length": req.params.max_new_tokens}
+        return None
+
+    def _output(self, req: Req, finish_reason: dict | None) -> dict:
+        """The request's output so far, shaped as SGLang's tokenizer manager's (cumulative)."""
         meta: dict[str, Any] = {
             "id": req.rid,
             "finish_reason": finish_reason,
             "prompt_tokens": len(req.input_ids),
             "weight_version": self.weight_version,
-            "total_retractions": req.retractions,
+            "num_retractions": req.retractions,
             "completion_tokens": len(req.output_ids),
             "cached_tokens": 0,
             "e2e_latency": time.time() - req.created,
         }
+        if finish_reason is not None:
+            spans = _weight_version_spans(req.version_events, self.weight_version, len(req.output_ids))
+            meta["weight_versions"] = spans
+            meta["weight_version"] = spans[-1]["version"]
         if req.return_logprob:
-            meta["input_token_logprobs"] = []
+            prompt = req.input_logprobs or []
+            prompt_ids = req.input_ids[len(req.input_ids) - len(prompt) :]
+            meta["input_token_logprobs"] = [[lp, t, None] for lp, t in zip(prompt, prompt_ids, strict=True)]
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(req.logprobs, req.output_ids, strict=True)]
+            if req.top_logprobs_num > 0:
+                meta["input_top_logprobs"] = [
+                    None if top is None else [[lp, t, None] for lp, t in top] for top in req.input_top_logprobs or []
+                ]
+                meta["output_top_logprobs"] = [[[lp, t, None] for lp, t in top] for top in req.top_logprobs]
         text = self.tokenizer.decode(req.output_ids, skip_special_tokens=req.params.skip_special_tokens)
-        req.done({"text": text, "output_ids": list(req.output_ids), "meta_info": meta})
+        return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}
 
-    def new_request(self, input_ids: list[int], params: SamplingParams, return_logprob: bool, rid: str | None,
-                    done: Callable[[dict], None]) -> Req:
+    def _finish(self, req: Req, finish_reason: dict) -> None:
+        req.emit(self._output(req, finish_reason))
+
+    def new_request(
+        self,
+        input_ids: list[int],
+        params: SamplingParams,
+        emit: Callable[[dict], None],
+        *,
+        rid: str | None = None,
+        stream: bool = False,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+        logprob_start_len: int = -1,
+    ) -> Req:
         """SGLang's request checks (ValueError: HTTP 400), then a request ready to submit."""
         if len(input_ids) >= self.context_len:
             raise ValueError(
@@ -413,9 +575,39 @@ class Scheduler:
         if bad:
             raise ValueError(f"fake SGLang server: token ids {bad[:5]} are outside the vocabulary of {self.vocab_size}")
         params.verify()
-        if 0 <= params.temperature < 1e-6:  # SGLang: greedy
-            params = dataclasses.replace(params, temperature=0.0)
+        if return_logprob and logprob_start_len >= len(input_ids):
+            raise ValueError(f"logprob_start_len ({logprob_start_len}) is not smaller than the input ({len(input_ids)} tokens)")
         generator = None
         if params.sampling_seed is not None:
             generator = torch.Generator().manual_seed(params.sampling_seed)
-        return Req(rid or uuid.uuid4().hex, list(input_ids), params, return_logprob, done, generator=generator)
+        return Req(
+            rid or uuid.uuid4().hex,
+            list(input_ids),
+            params,
+            emit,
+            stream=stream,
+            return_logprob=return_logprob,
+            top_logprobs_num=top_logprobs_num,
+            logprob_start_len=logprob_start_len,
+            generator=generator,
+        )
+
+
+def _topk(logprobs: torch.Tensor, k: int) -> list[tuple[float, int]]:
+    values, ids = torch.topk(logprobs, k)
+    return [(float(v), int(i)) for v, i in zip(values, ids, strict=True)]
+
+
+def _weight_version_spans(events: list[tuple[str, int]], current: str, num_output_tokens: int) -> list[dict]:
+    """SGLang's `compute_weight_version_spans` (sglang/srt/utils/weight_versions.py), as the
+    tokenizer manager puts them in `meta_info.weight_versions`."""
+    spans: list[dict] = []
+    for version, end in [*events, (current, num_output_tokens)]:
+        end = min(end, num_output_tokens)
+        if spans and end <= spans[-1]["end"]:
+            continue
+        if spans and version == spans[-1]["version"]:
+            spans[-1]["end"] = end
+            continue
+        spans.append({"version": version, "start": spans[-1]["end"] if spans else 0, "end": end})
+    return spans

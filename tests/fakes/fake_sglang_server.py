@@ -10,9 +10,15 @@ them):
 * `GET /health`, `/health_generate`: 503 until the startup warmup request has finished, then 200;
 * `GET /model_info`, `/get_model_info`: model path and the current `weight_version`;
 * `POST|PUT /generate`: one prompt (`text` or `input_ids`), `sampling_params` (an unknown key is
-  a TypeError: HTTP 500, as in SGLang), `return_logprob`; answers `{text, output_ids, meta_info}`
-  with `finish_reason`, `weight_version` and `output_token_logprobs` as (logprob, id, null);
-  input errors are HTTP 400 `{"error": {"message"}}`; requests wait while generation is paused;
+  a TypeError: HTTP 500, as in SGLang), `return_logprob`, `top_logprobs_num`,
+  `logprob_start_len`, `stream`; answers `{text, output_ids, meta_info}` with `finish_reason`
+  ({type, matched|length|message}), `completion_tokens`, `weight_version` (and, when finished,
+  `weight_versions` spans), `output_token_logprobs` as (logprob, id, null), `output_top_logprobs`,
+  `input_token_logprobs`, `input_top_logprobs`; with `stream: true`, `data: {...}` events (each
+  with every output token so far, or only the new ones with --incremental-streaming-output), then
+  `data: [DONE]`; a stream whose client goes away aborts its request; input errors are HTTP 400
+  `{"error": {"message"}}` (in a stream: an error event); requests wait while generation is
+  paused;
 * `GET|POST /start_profile` and `/stop_profile`: plain-text 200 answers; a refusal ("Profiling is
   already in progress. Call /stop_profile first.", "Profiling is not in progress. Call
   /start_profile first.") escapes the route as a RuntimeError, i.e. a bare HTTP 500 "Internal
@@ -29,25 +35,26 @@ Malformed bodies are HTTP 400 with SGLang's ErrorResponse shape. SGLang ignores 
 fields; so does this fake, logging a warning, unless started with the fake-only flag
 `--fake-strict-fields`, which rejects them with a 400 naming the field (tests use it to catch a
 misspelt field in the adapter). Not faithful: see the scheduler module's docstring, and no
-streaming, no batch requests, no other routes.
+batch requests, no other routes.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 if __package__ in (None, ""):  # run as a script: make the `fakes` package importable
@@ -123,8 +130,9 @@ def _bad_request(message: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message}}, status_code=400)
 
 
-async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    """SGLang turns FastAPI's 422 into 400 with its ErrorResponse body."""
+async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
+    """SGLang turns FastAPI's 422 (a RequestValidationError) into 400 with its ErrorResponse body."""
+    assert isinstance(exc, RequestValidationError)
     exc_str, errors_str = str(exc), str(exc.errors())
     message = f"{exc_str} {errors_str}" if errors_str and errors_str != exc_str else exc_str
     body = {"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400}
@@ -134,9 +142,10 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
 class FakeSglangServer:
     """The HTTP side: SGLang's tokenizer-manager duties (pause gate, defaults) over a Scheduler."""
 
-    def __init__(self, scheduler: Scheduler, *, strict_fields: bool):
+    def __init__(self, scheduler: Scheduler, *, strict_fields: bool, incremental_streaming_output: bool):
         self.scheduler = scheduler
         self.strict_fields = strict_fields
+        self.incremental_streaming_output = incremental_streaming_output
         self.up = False
         self.is_pause = False
         self.pause_cond = asyncio.Condition()
@@ -160,20 +169,57 @@ class FakeSglangServer:
             )
         log.warning("%s: ignoring unknown fields %s (as SGLang does)", route, sorted(extra))
 
-    async def run(self, input_ids: list[int], params: SamplingParams, return_logprob: bool, rid: str | None) -> dict:
-        """Submit one request and wait for its answer."""
+    async def run(self, input_ids: list[int], params: SamplingParams, **kwargs: Any) -> dict:
+        """Submit one request and wait for its finished answer."""
         loop = asyncio.get_running_loop()
         answer: asyncio.Future[dict] = loop.create_future()
 
-        def done(result: dict) -> None:
-            loop.call_soon_threadsafe(lambda: answer.done() or answer.set_result(result))
+        def finished(out: dict) -> None:
+            if not answer.done():
+                answer.set_result(out)
 
-        self.scheduler.submit(self.scheduler.new_request(input_ids, params, return_logprob, rid, done))
+        def emit(out: dict) -> None:
+            if out["meta_info"]["finish_reason"] is not None:
+                loop.call_soon_threadsafe(finished, out)
+
+        self.scheduler.submit(self.scheduler.new_request(input_ids, params, emit, **kwargs))
         return await answer
+
+    async def stream(self, input_ids: list[int], params: SamplingParams, **kwargs: Any) -> AsyncIterator[bytes]:
+        """Submit one streamed request; its `data:` events (SGLang's `stream_results`). A client
+        that goes away (this generator closed or cancelled) aborts the request, as SGLang's
+        abort task does. ValueError: the request is refused before streaming starts."""
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue[dict] = asyncio.Queue()
+
+        def emit(out: dict) -> None:
+            loop.call_soon_threadsafe(outputs.put_nowait, out)
+
+        req = self.scheduler.new_request(input_ids, params, emit, stream=True, **kwargs)
+        self.scheduler.submit(req)
+
+        async def events() -> AsyncIterator[bytes]:
+            sent = 0
+            finished = False
+            try:
+                while not finished:
+                    out = await outputs.get()
+                    finished = out["meta_info"]["finish_reason"] is not None
+                    if self.incremental_streaming_output:
+                        out = _incremental(out, sent)
+                        sent += len(out["output_ids"])
+                    yield b"data: " + json.dumps(out).encode() + b"\n\n"
+                yield b"data: [DONE]\n\n"
+            finally:
+                if not finished:
+                    log.info("fake SGLang server: client of %s went away; aborting it", req.rid)
+                    self.scheduler.control_soon(lambda: self.scheduler.abort(req.rid))
+
+        return events()
 
     async def warmup(self) -> None:
         """SGLang's `_wait_and_warmup`: one small generation, then the server reports healthy."""
-        await self.run(WARMUP_INPUT_IDS, SamplingParams(max_new_tokens=1, temperature=0.0), False, None)
+        await self.run(WARMUP_INPUT_IDS, SamplingParams(max_new_tokens=1, temperature=0.0))
         self.up = True
         log.info("The server is fired up and ready to roll!")
 
@@ -181,9 +227,13 @@ class FakeSglangServer:
         return await self.scheduler.control(fn)
 
 
-def build_app(scheduler: Scheduler, *, strict_fields: bool = False) -> FastAPI:
-    """The fake server's FastAPI app around a running `scheduler` (shut down with the app)."""
-    server = FakeSglangServer(scheduler, strict_fields=strict_fields)
+def build_app(scheduler: Scheduler, *, strict_fields: bool = False, incremental_streaming_output: bool = False) -> FastAPI:
+    """The fake server's FastAPI app around a running `scheduler` (shut down with the app).
+    `incremental_streaming_output`: SGLang's server flag of that name (each stream chunk carries
+    only its new tokens and logprobs; by default every chunk carries all so far)."""
+    server = FakeSglangServer(
+        scheduler, strict_fields=strict_fields, incremental_streaming_output=incremental_streaming_output
+    )
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -226,16 +276,27 @@ def build_app(scheduler: Scheduler, *, strict_fields: bool = False) -> FastAPI:
             or (obj.input_ids is not None and isinstance(obj.input_ids[0], list))
             or isinstance(obj.sampling_params, list)
         )
-        if batched or obj.stream:
-            return _bad_request("fake SGLang server: batch and streaming requests are not implemented")
+        if batched:
+            return _bad_request("fake SGLang server: batch requests are not implemented")
         async with server.pause_cond:
             await server.pause_cond.wait_for(lambda: not server.is_pause)
-        input_ids = obj.input_ids if obj.input_ids is not None else scheduler.tokenizer(obj.text).input_ids
-        params = SamplingParams(**(obj.sampling_params or {}))  # an unknown key: TypeError, HTTP 500
+        # One prompt from here on (batches were refused above).
+        input_ids = cast(list[int], obj.input_ids) if obj.input_ids is not None else scheduler.tokenizer(obj.text).input_ids
+        params = SamplingParams(**cast(dict[str, Any], obj.sampling_params or {}))  # unknown key: TypeError, HTTP 500
+        kwargs: dict[str, Any] = {
+            "rid": obj.rid,
+            "return_logprob": bool(obj.return_logprob),
+            "top_logprobs_num": obj.top_logprobs_num or 0,
+            "logprob_start_len": -1 if obj.logprob_start_len is None else obj.logprob_start_len,
+        }
         try:
-            return await server.run(input_ids, params, bool(obj.return_logprob), obj.rid)
+            if obj.stream:
+                return StreamingResponse(await server.stream(input_ids, params, **kwargs), media_type="text/event-stream")
+            return await server.run(input_ids, params, **kwargs)
         except ValueError as e:
             log.error("[http_server] Error: %s", e)
+            if obj.stream:  # SGLang validates inside its stream: a 200 whose one event is the error
+                return StreamingResponse(_error_events(str(e)), media_type="text/event-stream")
             return _bad_request(str(e))
 
     @app.api_route("/start_profile", methods=["GET", "POST"])
@@ -276,7 +337,7 @@ def build_app(scheduler: Scheduler, *, strict_fields: bool = False) -> FastAPI:
         def load() -> tuple[bool, str]:
             success, message = scheduler.update_weights_from_disk(obj.model_path, obj.flush_cache)
             if success and obj.weight_version is not None:
-                scheduler.weight_version = obj.weight_version
+                scheduler.set_weight_version(obj.weight_version)
                 message += f" Weight version updated to {obj.weight_version}."
             return success, message
 
@@ -304,6 +365,24 @@ def build_app(scheduler: Scheduler, *, strict_fields: bool = False) -> FastAPI:
     return app
 
 
+async def _error_events(message: str) -> AsyncIterator[bytes]:
+    """`stream_results`' answer to a ValueError: an error event, then [DONE]."""
+    error = {"message": message, "type": "invalid_request_error", "code": 400, "retryable": False}
+    yield b"data: " + json.dumps({"error": error}).encode() + b"\n\n"
+    yield b"data: [DONE]\n\n"
+
+
+def _incremental(out: dict, sent: int) -> dict:
+    """A cumulative output cut to what is new since `sent` tokens (SGLang's
+    `_slice_streaming_output_meta_info`: output ids and output logprobs; prompt logprobs stay).
+    Not faithful: `text` stays cumulative (SGLang sends the new text; the adapter reads none)."""
+    meta = dict(out["meta_info"])
+    for key in ("output_token_logprobs", "output_top_logprobs"):
+        if key in meta:
+            meta[key] = meta[key][sent:]
+    return {"text": out["text"], "output_ids": out["output_ids"][sent:], "meta_info": meta}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="FAKE SGLang server for tests (not SGLang; CPU only).")
     parser.add_argument("--model-path", required=True, help="Hugging Face checkpoint directory.")
@@ -314,12 +393,19 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="Fake-only: reject unknown request fields with HTTP 400 (SGLang ignores them).",
     )
+    parser.add_argument(
+        "--incremental-streaming-output",
+        action="store_true",
+        help="As SGLang's: each stream chunk carries only its new output ids and logprobs.",
+    )
     args, ignored = parser.parse_known_args(argv)
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(message)s")
     if ignored:
         log.info("fake SGLang server: ignoring arguments %s", ignored)
     scheduler = Scheduler(Path(args.model_path))
-    app = build_app(scheduler, strict_fields=args.fake_strict_fields)
+    app = build_app(
+        scheduler, strict_fields=args.fake_strict_fields, incremental_streaming_output=args.incremental_streaming_output
+    )
     # A request held by a pause must not keep a terminated server alive.
     uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=5)
 

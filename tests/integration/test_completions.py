@@ -24,7 +24,8 @@ def check_choice(ch: dict, index: int, max_tokens: int) -> None:
     assert ch["finish_reason"] == "stop" or len(ch["token_ids"]) == max_tokens
     assert isinstance(ch["text"], str)
     assert ch["prompt_token_ids"] and all(isinstance(t, int) for t in ch["prompt_token_ids"])
-    assert ch["weight_version"] == 0 and ch["weight_versions"] == [0]
+    assert ch["weight_version"] == 0
+    assert ch["weight_versions"] == [{"version": 0, "start": 0, "end": len(ch["token_ids"])}]
 
 
 def test_models_lists_the_served_model(app, http):

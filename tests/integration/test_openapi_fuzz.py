@@ -41,6 +41,7 @@ OPERATIONS: dict[tuple[str, str], int] = {
     ("GET", "/metrics"): 5,
     ("GET", "/v1/models"): 5,
     ("POST", "/v1/completions"): 50,
+    ("POST", "/v1/chat/completions"): 40,
     ("GET", "/profile/status"): 15,
     ("GET", "/profile/clock"): 15,
     ("POST", "/profile/start"): 60,
@@ -50,6 +51,7 @@ OPERATIONS: dict[tuple[str, str], int] = {
     ("GET", "/profile/steps/{k}"): 30,
 }
 STATEFUL = {"/profile/start", "/profile/stop", "/weights/update"}
+GENERATION = {"/v1/completions", "/v1/chat/completions"}
 
 
 @pytest.fixture(scope="module")
@@ -110,6 +112,15 @@ def steer(path: str, case, data, http) -> None:
         body["path"] = data.draw(st.sampled_from([BASE_WEIGHTS, f"./{BASE_WEIGHTS}", f"../weights/{BASE_WEIGHTS}"]))
         if data.draw(st.booleans(), label="the served version"):
             body["version"] = status(http)["weight_version"]
+    elif path in GENERATION and body is not None:
+        # Valid but costly sizes shrunk, so the fuzz spends its time on inputs, not on decoding.
+        if type(body.get("n")) is int and body["n"] > 4:
+            body["n"] = 4
+        for key in ("max_tokens", "max_completion_tokens"):
+            if type(body.get(key)) is int and body[key] > 8:
+                body[key] = 8
+        if path == "/v1/chat/completions" and body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+            body["max_tokens"] = 8
     elif path == "/profile/steps/{k}" and data.draw(st.booleans(), label="a recorded step"):
         recorded = ok(http.get("/profile/steps"))["steps"]
         if recorded:
@@ -155,7 +166,7 @@ def test_no_request_is_a_server_error(fuzz_app, schema, http, session, method, p
         reopen(http)
     # The fuzz reached past validation and auth.
     assert seen[200] >= 1, seen
-    if path in STATEFUL or path == "/v1/completions":
+    if path in STATEFUL or path in GENERATION:
         assert seen[422] >= 1, seen
     if path == "/profile/stop":
         assert seen[409] >= 1, seen  # a stop of a step that is not the active one
@@ -175,6 +186,8 @@ NUMERIC_FIELDS = [
     ("/v1/completions", {"prompt": "Red green", "max_tokens": 2}, "temperature"),
     ("/v1/completions", {"prompt": "Red green"}, "max_tokens"),
     ("/v1/completions", {"prompt": "Red green", "max_tokens": 2}, "seed"),
+    ("/v1/completions", {"prompt": "Red green", "max_tokens": 2}, "top_p"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}, "presence_penalty"),
 ]
 
 

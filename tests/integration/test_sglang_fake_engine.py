@@ -5,6 +5,7 @@ SGLang's own num_steps cap, and the server processes ending with the app."""
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -86,6 +87,11 @@ def http(app):
                 stop_if_active(c)
 
 
+def spans(version: int, tokens: int) -> dict:
+    """The one weight-version span of a choice whose `tokens` all came from `version`."""
+    return {"version": version, "start": 0, "end": tokens}
+
+
 def check_step_traces(app, http, step: int, version: int, replica_ids: set[str]) -> list[dict]:
     """The step's manifest is complete and lists, per replica, SGLang's trace named for the step,
     under step_<k>/rollout/<replica_id>/, a gzip Chrome trace with one run_batch range per step."""
@@ -135,10 +141,12 @@ def test_sglang_engine_against_fake_server_profiles_steps_across_a_weight_update
             started = ok(http.post("/profile/start", json={"step": 2}))
             assert all(r["ok"] and r["weight_version"] == version and not r["paused"] for r in started["replicas"])
             gap = held.result(timeout=60)
-        assert gap["weight_version"] == version and gap["choices"][0]["weight_versions"] == [version]
+        gap_choice = gap["choices"][0]
+        assert gap["weight_version"] == version
+        assert gap_choice["weight_versions"] == [spans(version, len(gap_choice["token_ids"]))]
 
         after = complete_concurrently(http, n=12, max_tokens=4)
-        assert all(ch["weight_versions"] == [version] for r in after for ch in r["choices"])
+        assert all(ch["weight_versions"] == [spans(version, len(ch["token_ids"]))] for r in after for ch in r["choices"])
         probe_after = complete(http, **probe)["choices"][0]
         assert probe_after["logprobs"]["token_logprobs"] != probe_before["logprobs"]["token_logprobs"]
 
@@ -184,6 +192,50 @@ def test_sglang_engine_against_fake_server_num_steps_caps_the_recording(app, htt
     for e in manifest["entries"]:
         assert e["status"] == "ok" and e["forward_steps"] == cap, e
         assert Path(e["files"][0]).name.startswith(f"step{step}-capped-"), e
+
+
+def stream_completion(http, **body) -> tuple[list[dict], bool]:
+    """POST a streamed /v1/completions; its chunks and whether it ended with `data: [DONE]`."""
+    chunks: list[dict] = []
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as resp:
+        assert resp.status_code == 200, resp.read()
+        for line in resp.iter_lines():
+            if line == "data: [DONE]":
+                return chunks, True
+            if line.startswith("data: "):
+                chunks.append(json.loads(line[len("data: "):]))
+    return chunks, False
+
+
+def test_sglang_engine_against_fake_server_streams_completions_over_http(http):
+    version = status(http)["weight_version"]
+    body = {"prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0, "logprobs": 1}
+    whole = complete(http, **body)["choices"][0]
+    chunks, done = stream_completion(http, **body, stream_options={"include_usage": True})
+    assert done and "error" not in chunks[-1], chunks[-1]
+    pieces = [c["choices"][0] for c in chunks if c["choices"]]
+    assert len(pieces) > 1, "the answer came in one piece"
+    assert [t for p in pieces for t in p["token_ids"]] == whole["token_ids"]
+    assert "".join(p["text"] for p in pieces) == whole["text"]
+    assert all(p["weight_version"] == version for p in pieces if p["token_ids"])
+    assert pieces[-1]["finish_reason"] == whole["finish_reason"]
+    assert pieces[-1]["weight_versions"] == whole["weight_versions"] == [spans(version, len(whole["token_ids"]))]
+    assert chunks[-1]["usage"]["completion_tokens"] == len(whole["token_ids"])
+
+
+def test_sglang_engine_against_fake_server_n_choices_are_seeded_samples_with_their_own_spans(http):
+    version = status(http)["weight_version"]
+    body = {"prompt": "Red green blue", "max_tokens": 6, "temperature": 1.0, "top_p": 0.95, "n": 4, "seed": 11}
+    first = complete(http, **body)
+    again = complete(http, **body)
+    choices = first["choices"]
+    assert sorted(ch["index"] for ch in choices) == [0, 1, 2, 3]
+    for ch in choices:
+        assert ch["weight_versions"] == [spans(version, len(ch["token_ids"]))] and ch["token_ids"]
+    by_index = {ch["index"]: ch["token_ids"] for ch in again["choices"]}
+    assert all(by_index[ch["index"]] == ch["token_ids"] for ch in choices), "the same seed drew other tokens"
+    assert len({tuple(ch["token_ids"]) for ch in choices}) > 1, "every choice drew the same tokens"
+    assert first["usage"]["completion_tokens"] == sum(len(ch["token_ids"]) for ch in choices)
 
 
 def test_sglang_engine_against_fake_server_processes_end_with_the_app(app, model_dir):

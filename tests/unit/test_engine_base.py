@@ -8,6 +8,7 @@ import asyncio
 import gzip
 import json
 import time
+from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -16,8 +17,9 @@ from profiling.manifest import ManifestEntry
 from profiling.session import ProfileSession, SessionConflict, SessionSpec
 from profiling.store import TraceStore
 from serve_app.config import AppArgs
-from serve_app.engines.base import GenerateRequest, GenerateResult, RolloutEngine
+from serve_app.engines.base import RolloutEngine
 from serve_app.engines.engine_profiler import EngineProfiler, recording_prefix
+from serve_app.engines.generation import GenerateDelta, GenerateRequest, SamplingSpec
 
 FLUSH_S = 0.3
 
@@ -76,7 +78,7 @@ class FakeProfilingEngine(RolloutEngine[Path]):
     def _open(self, args: AppArgs, model_dir: Path) -> None:
         self.trace_dir.mkdir(parents=True, exist_ok=True)
 
-    async def _generate(self, request: GenerateRequest) -> GenerateResult:
+    def _stream(self, request: GenerateRequest) -> AsyncGenerator[GenerateDelta, None]:
         raise NotImplementedError
 
     def _profiler(self, spec: SessionSpec) -> FakeProfiler:
@@ -189,17 +191,6 @@ def test_recording_prefix_names_step_and_tag(spec):
     assert recording_prefix(tagged) == "step7-run-a.1"
 
 
-async def test_requests_report_the_versions_the_engine_ran_while_they_were_in_flight(engine, store):
-    with engine.versions_seen() as across:  # in flight across the update
-        await engine.stop_profile(None, pause=True)
-        with engine.versions_seen() as held:  # sent while paused
-            await engine.update_weights(1, engine.checkpoint, resume=True)
-    with engine.versions_seen() as after:
-        pass
-    assert (across, held, after) == ({0, 1}, {1}, {1})
-    await engine.shutdown()
-
-
 async def test_an_update_that_keeps_the_hold_never_reopens_admission_in_between(engine, store):
     """update(resume=false) with no hold before it (the sync entering a window without a stop):
     the engine is paused for the load and stays paused until the start; reopening admission
@@ -215,13 +206,18 @@ async def test_an_update_that_keeps_the_hold_never_reopens_admission_in_between(
 
 
 async def test_the_window_s_requests_and_the_sync_s_hold_reach_the_step_s_entry(engine, store, spec):
-    async def answer(request: GenerateRequest) -> GenerateResult:
+    async def answer(request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
         await asyncio.sleep(0.05)
-        return GenerateResult(token_ids=[7] * 3, logprobs=[0.0] * 3, finish_reason="length", weight_versions=[0])
+        yield GenerateDelta(token_ids=[7] * 3, weight_version=0, finish_reason="length")
 
-    engine._generate = answer
+    async def drain(request: GenerateRequest) -> None:
+        async for _ in engine.generate(request):
+            pass
+
+    engine._stream = answer
     assert await engine.start_profile(spec(3))
-    await asyncio.gather(*(engine.generate(GenerateRequest(prompt_token_ids=[1, 2])) for _ in range(4)))
+    request = GenerateRequest(prompt_token_ids=[1, 2], sampling=SamplingSpec(max_tokens=3))
+    await asyncio.gather(*(drain(request) for _ in range(4)))
     await engine.stop_profile(3, pause=True)
     await engine.update_weights(1, engine.checkpoint, resume=False)
     await asyncio.sleep(0.2)  # held for the sync

@@ -5,6 +5,7 @@ against small stand-in commands. Nothing here ran against a real SGLang server."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import json
 import re
@@ -28,15 +29,22 @@ from profiling.manifest import ManifestEntry
 from profiling.session import ProfileSession, SessionSpec
 from profiling.store import TraceStore
 from serve_app.config import AppArgs
-from serve_app.engines.base import GenerateRequest
+from serve_app.engines.generation import GenerateDelta, GenerateRequest, SamplingSpec, SpanBuilder
 from serve_app.engines.options import SglangOptions
 from serve_app.engines.sglang_client import (
-    GenerateAnswer,
+    GenerateChunk,
     PauseGenerationBody,
     SglangClient,
     SglangError,
+    parse_sse_line,
 )
-from serve_app.engines.sglang_engine import SglangEngine, SglangProfiler, start_profile_body
+from serve_app.engines.sglang_engine import (
+    ChunkReader,
+    SglangEngine,
+    SglangProfiler,
+    generate_body,
+    start_profile_body,
+)
 from serve_app.engines.sglang_server import SglangServer, wait_ready
 from serve_app.net import free_port
 from serve_app.weights import WeightsError
@@ -48,11 +56,13 @@ TRACE_NAME = re.compile(r"^step(\d+)(-[A-Za-z0-9._-]+)?-[0-9.]+-TP-0\.trace\.jso
 # -- fixtures --------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def fake_url(model_dir: Path) -> Iterator[str]:
-    """A FAKE SGLang server (strict about request fields) served from a thread of this process."""
+@contextlib.contextmanager
+def serve_fake(model_dir: Path, incremental_streaming_output: bool = False) -> Iterator[tuple[str, Scheduler]]:
+    """A FAKE SGLang server (strict about request fields) served from a thread of this process:
+    its URL and its scheduler."""
     # Paced at 3 ms per batch: the long requests below are still running when a test acts on them.
-    app = build_app(Scheduler(model_dir, step_delay_s=0.003), strict_fields=True)
+    scheduler = Scheduler(model_dir, step_delay_s=0.003)
+    app = build_app(scheduler, strict_fields=True, incremental_streaming_output=incremental_streaming_output)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -60,15 +70,27 @@ def fake_url(model_dir: Path) -> Iterator[str]:
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(url, 60)
-        yield url
+        yield url, scheduler
     finally:
         server.should_exit = True
         thread.join(30)
 
 
 @pytest.fixture
-async def engine(fake_url: str, model_dir: Path, tmp_path: Path) -> AsyncIterator[SglangEngine]:
-    args = AppArgs(engine="sglang", num_replicas=1, save_path=str(tmp_path / "traces"), sglang={"url": fake_url})
+def fake(model_dir: Path) -> Iterator[tuple[str, Scheduler]]:
+    with serve_fake(model_dir) as served:
+        yield served
+
+
+@pytest.fixture
+async def engine(fake: tuple[str, Scheduler], model_dir: Path, tmp_path: Path) -> AsyncIterator[SglangEngine]:
+    async with open_engine(fake[0], model_dir, tmp_path) as eng:
+        yield eng
+
+
+@contextlib.asynccontextmanager
+async def open_engine(url: str, model_dir: Path, tmp_path: Path) -> AsyncIterator[SglangEngine]:
+    args = AppArgs(engine="sglang", num_replicas=1, save_path=str(tmp_path / "traces"), sglang={"url": url})
     exporter = ThreadPoolExecutor(1, thread_name_prefix="export")
 
     def session(backend_factory):
@@ -98,8 +120,38 @@ def profiler(engine: SglangEngine, spec: SessionSpec) -> SglangProfiler:
     return SglangProfiler(spec, client=engine._client, trace_dir=engine.trace_dir, loop=asyncio.get_running_loop())
 
 
-def greedy(n: int = 4) -> GenerateRequest:
-    return GenerateRequest(prompt_token_ids=[5, 6, 7, 8], max_tokens=n, temperature=0.0)
+def req(prompt: list[int] | None = None, stream: bool = False, **sampling) -> GenerateRequest:
+    return GenerateRequest(
+        prompt_token_ids=prompt or [5, 6, 7, 8],
+        sampling=SamplingSpec.model_validate({"max_tokens": 4, **sampling}),
+        stream=stream,
+    )
+
+
+def greedy(n: int = 4, stream: bool = False) -> GenerateRequest:
+    return req(max_tokens=n, temperature=0.0, stream=stream)
+
+
+class Result:
+    """One sequence's deltas, gathered as the replica does (serve_app/choices.py)."""
+
+    def __init__(self, deltas: list[GenerateDelta]):
+        self.deltas = deltas
+        self.token_ids = [t for d in deltas for t in d.token_ids]
+        self.logprobs = [lp for d in deltas for lp in d.logprobs]
+        self.finish_reason = deltas[-1].finish_reason
+        self.stop_reason = deltas[-1].stop_reason
+        spans = SpanBuilder()
+        for d in deltas:
+            assert d.weight_version is not None, d
+            spans.add(len(d.token_ids), d.weight_version)
+            if d.weight_versions is not None:
+                spans.replace(d.weight_versions)
+        self.spans = [(s.version, s.start, s.end) for s in spans.spans]
+
+
+async def generate(engine: SglangEngine, request: GenerateRequest) -> Result:
+    return Result([d async for d in engine.generate(request)])
 
 
 def run_batch_ranges(path: Path) -> int:
@@ -120,7 +172,7 @@ def perturbed_weights(model_dir: Path, out: Path, seed: int) -> Path:
 
 async def test_sglang_engine_against_fake_server_records_a_step_into_its_prefixed_trace(engine: SglangEngine, spec):
     assert await engine.start_profile(spec(3, max_forward_steps=None))
-    results = [await engine.generate(greedy(4)), await engine.generate(greedy(3))]
+    results = [await generate(engine, greedy(4)), await generate(engine, greedy(3))]
     outcome = await engine.stop_profile(3, pause=False)
     assert outcome.stopped and outcome.step == 3
     entry = await engine.wait_exported(3, 30)
@@ -134,14 +186,13 @@ async def test_sglang_engine_against_fake_server_records_a_step_into_its_prefixe
     assert entry.forward_steps == run_batch_ranges(path) == tokens > 0
     assert not list(engine.trace_dir.iterdir()), "the export leaves the engine's directory empty"
     for r in results:
-        assert len(r.logprobs) == len(r.token_ids) and all(lp <= 0 for lp in r.logprobs)
-        assert r.weight_versions == [0] and r.finish_reason in ("stop", "length")
+        assert r.spans == [(0, 0, len(r.token_ids))] and r.finish_reason in ("stop", "length")
 
 
 async def test_sglang_engine_against_fake_server_num_steps_cap_then_stop_is_a_clean_stop(engine: SglangEngine, spec):
     """SGLang stops by itself after num_steps; our later stop gets its bare 500 and finds the trace."""
     await engine.start_profile(spec(4, max_forward_steps=2, tag="capped"))
-    await engine.generate(greedy(5))
+    await generate(engine, greedy(5))
     outcome = await engine.stop_profile(4, pause=False)
     entry = await engine.wait_exported(4, 30)
     assert outcome.stopped and entry is not None and entry.status == "ok", entry
@@ -164,17 +215,17 @@ async def test_sglang_engine_against_fake_server_refused_profiler_calls_name_url
         await engine._client.call("/stop_profile", own_connection=True)
     # uvicorn closes the connection of a refused call: on a connection of its own, the next call
     # (on the pool) is unaffected.
-    assert (await engine.generate(greedy(2))).token_ids
+    assert (await generate(engine, greedy(2))).token_ids
 
 
 async def test_sglang_engine_against_fake_server_weight_update_sets_version_and_changes_outputs(
     engine: SglangEngine, model_dir: Path, tmp_path: Path
 ):
-    before = await engine.generate(greedy(4))
+    before = await generate(engine, req(max_tokens=4, temperature=0.0, logprobs=0))
     load_s = await engine.update_weights(1, str(perturbed_weights(model_dir, tmp_path / "v1.safetensors", 1)), resume=True)
     assert load_s > 0 and engine.weight_version == 1
-    after = await engine.generate(greedy(4))
-    assert after.weight_versions == [1] and after.logprobs != before.logprobs
+    after = await generate(engine, req(max_tokens=4, temperature=0.0, logprobs=0))
+    assert after.spans == [(1, 0, 4)] and after.logprobs != before.logprobs
     async with httpx.AsyncClient() as http:
         info = (await http.get(f"{engine._client.url}/model_info")).json()
     assert info["weight_version"] == "1"
@@ -198,13 +249,13 @@ async def test_sglang_engine_against_fake_server_bad_weights_raise_and_the_old_v
     with pytest.raises(WeightsError, match="Cannot find any model weights"):
         await engine._load_weights(empty, 1)
     assert engine.weight_version == 0
-    result = await asyncio.wait_for(engine.generate(greedy(2)), 30)  # still serving, never paused
-    assert result.weight_versions == [0]
+    result = await asyncio.wait_for(generate(engine, greedy(2)), 30)  # still serving, never paused
+    assert result.spans == [(0, 0, 2)]
 
 
 async def test_sglang_engine_against_fake_server_pause_holds_requests_until_resume(engine: SglangEngine):
     await engine._pause()
-    held = asyncio.create_task(engine.generate(greedy(2)))
+    held = asyncio.create_task(generate(engine, greedy(2)))
     await asyncio.sleep(0.5)
     assert not held.done(), "a request ran while generation was paused"
     await engine._resume()
@@ -215,11 +266,11 @@ async def test_sglang_engine_against_fake_server_request_held_across_an_update_r
     engine: SglangEngine, model_dir: Path, tmp_path: Path
 ):
     await engine.stop_profile(None, pause=True)  # the admission hold of a trainer's stop(pause)
-    held = asyncio.create_task(engine.generate(greedy(3)))
+    held = asyncio.create_task(generate(engine, greedy(3)))
     await asyncio.sleep(0.3)
     assert not held.done()
     await engine.update_weights(1, str(perturbed_weights(model_dir, tmp_path / "v1.safetensors", 1)), resume=True)
-    assert (await asyncio.wait_for(held, 30)).weight_versions == [1]
+    assert (await asyncio.wait_for(held, 30)).spans == [(1, 0, 3)]
 
 
 async def test_sglang_engine_against_fake_server_update_with_requests_in_flight_retracts_them(
@@ -227,18 +278,21 @@ async def test_sglang_engine_against_fake_server_update_with_requests_in_flight_
 ):
     """The retract pause lets the update flush SGLang's cache with requests running (an
     in_place pause would kill the scheduler); the request finishes on the new weights."""
-    long = asyncio.create_task(engine.generate(GenerateRequest(prompt_token_ids=[5, 6], max_tokens=300, temperature=0.0)))
+    long = asyncio.create_task(generate(engine, req([5, 6], max_tokens=300, temperature=0.0)))
     await asyncio.sleep(0.3)
     assert not long.done()
     await engine.update_weights(1, str(perturbed_weights(model_dir, tmp_path / "v1.safetensors", 1)), resume=True)
     result = await asyncio.wait_for(long, 60)
-    assert result.weight_versions == [0, 1] and len(result.token_ids) == 300 and engine.healthy()
+    # SGLang's exact spans: the tokens before the update on version 0, the rest on version 1.
+    ((v0, s0, e0), (v1, s1, e1)) = result.spans
+    assert (v0, s0, v1, e1) == (0, 0, 1, 300) and 0 < e0 == s1 < 300
+    assert len(result.token_ids) == 300 and engine.healthy()
 
 
 async def test_sglang_engine_against_fake_server_aborted_request_is_an_error(engine: SglangEngine):
     # Greedy and long (as the retract test above): still running when the abort comes, with no
     # sampled end-of-sequence to finish it first.
-    running = asyncio.create_task(engine.generate(GenerateRequest(prompt_token_ids=[5, 6], max_tokens=300, temperature=0.0)))
+    running = asyncio.create_task(generate(engine, req([5, 6], max_tokens=300, temperature=0.0)))
     await asyncio.sleep(0.2)
     assert not running.done()
     await engine._client.call("/pause_generation", PauseGenerationBody(mode="abort"))
@@ -249,7 +303,7 @@ async def test_sglang_engine_against_fake_server_aborted_request_is_an_error(eng
 
 async def test_sglang_engine_against_fake_server_rejects_out_of_range_prompts(engine: SglangEngine):
     with pytest.raises(ValueError, match="out of range"):
-        await engine.generate(GenerateRequest(prompt_token_ids=[10**6]))
+        await generate(engine, req([10**6]))
 
 
 async def test_sglang_engine_against_fake_server_unhealthy_after_a_lost_call_until_a_probe_answers(engine: SglangEngine):
@@ -274,6 +328,139 @@ async def test_sglang_engine_against_fake_server_nsys_stop_already_done_is_read_
     (note,) = recording.recorded_files()
     assert note.name == "step8-nsys_capture.json"
     assert json.loads(note.read_text())["trace_written_here"] is False
+
+# -- sampling and streaming against the fake server --------------------------------------------
+
+
+async def test_sglang_engine_against_fake_server_streams_what_the_one_shot_answer_holds(engine: SglangEngine):
+    one_shot = await generate(engine, req(max_tokens=8, temperature=0.0, logprobs=2))
+    streamed = await generate(engine, req(max_tokens=8, temperature=0.0, logprobs=2, stream=True))
+    assert len(one_shot.deltas) == 1 and len(streamed.deltas) == 8
+    assert all(len(d.token_ids) == 1 and d.weight_version == 0 for d in streamed.deltas)
+    assert streamed.token_ids == one_shot.token_ids and len(one_shot.token_ids) == 8
+    for a, b in zip(streamed.logprobs, one_shot.logprobs, strict=True):
+        assert a.logprob == pytest.approx(b.logprob) and list(a.top) == list(b.top) and len(a.top) == 2
+        assert max(a.top.values()) >= a.logprob  # greedy: the sampled token is the most likely
+    assert streamed.spans == one_shot.spans == [(0, 0, 8)]
+    assert streamed.finish_reason == one_shot.finish_reason == "length"
+
+
+async def test_sglang_engine_against_fake_server_reads_incremental_streaming_output_alike(
+    engine: SglangEngine, model_dir: Path, tmp_path: Path
+):
+    """SGLang's --incremental-streaming-output sends only new tokens per chunk; the deltas are the
+    same as from its default (every token so far)."""
+    request = req(max_tokens=6, temperature=0.0, logprobs=1, prompt_logprobs=1, stream=True)
+    cumulative = await generate(engine, request)
+    with serve_fake(model_dir, incremental_streaming_output=True) as (url, _):
+        async with open_engine(url, model_dir, tmp_path / "incremental") as other:
+            incremental = await generate(other, request)
+    assert [d.token_ids for d in incremental.deltas] == [d.token_ids for d in cumulative.deltas]
+    assert [lp.logprob for lp in incremental.logprobs] == pytest.approx([lp.logprob for lp in cumulative.logprobs])
+    assert incremental.deltas[0].prompt_logprobs == cumulative.deltas[0].prompt_logprobs
+
+
+async def test_sglang_engine_against_fake_server_seed_makes_sampling_repeatable(engine: SglangEngine):
+    sampling = {"max_tokens": 12, "temperature": 1.3, "top_k": 40, "top_p": 0.95, "min_p": 0.01,
+                "repetition_penalty": 1.1, "presence_penalty": 0.2, "frequency_penalty": 0.1}
+    first = await generate(engine, req(seed=7, **sampling))
+    again = await generate(engine, req(seed=7, stream=True, **sampling))
+    assert again.token_ids == first.token_ids
+    others = [(await generate(engine, req(seed=seed, **sampling))).token_ids for seed in (8, 9, 10)]
+    assert any(o != first.token_ids for o in others), "other seeds drew the same tokens"
+
+
+async def test_sglang_engine_against_fake_server_stop_token_ends_the_sequence_and_is_kept(engine: SglangEngine):
+    free = (await generate(engine, req(max_tokens=10, temperature=0.0))).token_ids
+    i = next(i for i in range(1, len(free)) if free[i] not in free[:i])
+    for stream in (False, True):
+        stopped = await generate(engine, req(max_tokens=10, temperature=0.0, stop_token_ids=[free[i]], stream=stream))
+        assert stopped.token_ids == free[: i + 1] and stopped.finish_reason == "stop" and stopped.stop_reason == free[i]
+        assert stopped.spans == [(0, 0, i + 1)]
+    # min_tokens holds the stop token back (SGLang masks it), so the sequence runs past it.
+    held = await generate(engine, req(max_tokens=10, temperature=0.0, stop_token_ids=[free[i]], min_tokens=i + 3))
+    assert len(held.token_ids) >= i + 3 and free[i] not in held.token_ids[: i + 3]
+
+
+async def test_sglang_engine_against_fake_server_eos_ends_unless_ignored(
+    engine: SglangEngine, fake: tuple[str, Scheduler]
+):
+    free = (await generate(engine, req(max_tokens=10, temperature=0.0))).token_ids
+    i = next(i for i in range(1, len(free)) if free[i] not in free[:i])
+    fake[1].eos = free[i]  # fake-only: make a token the tiny model emits its end of sequence
+    ended = await generate(engine, req(max_tokens=10, temperature=0.0))
+    assert ended.token_ids == free[: i + 1] and ended.finish_reason == "stop" and ended.stop_reason is None
+    ignored = await generate(engine, req(max_tokens=10, temperature=0.0, ignore_eos=True))
+    assert ignored.token_ids == free and ignored.finish_reason == "length"
+
+
+async def test_sglang_engine_against_fake_server_stop_string_is_matched_in_the_text(engine: SglangEngine):
+    free = (await generate(engine, req(max_tokens=10, temperature=0.0))).token_ids
+    text = engine.detokenize(free)
+    stop = next(
+        piece for j in range(2, len(free)) if len(piece := engine.detokenize([free[j]]).strip()) >= 2 and piece in text
+    )
+    for stream in (False, True):
+        stopped = await generate(engine, req(max_tokens=10, temperature=0.0, stop=[stop], stream=stream))
+        assert stopped.finish_reason == "stop" and stopped.stop_reason == stop
+        out = engine.detokenize(stopped.token_ids)
+        assert stop in out and stop not in engine.detokenize(stopped.token_ids[:-1]), (stop, out)
+        assert stopped.token_ids == free[: len(stopped.token_ids)]
+
+
+async def test_sglang_engine_against_fake_server_reports_prompt_logprobs_on_the_first_delta(engine: SglangEngine):
+    prompt = [5, 6, 7, 8, 9]
+    result = await generate(engine, req(prompt, max_tokens=3, temperature=0.0, logprobs=1, prompt_logprobs=3, stream=True))
+    first = result.deltas[0].prompt_logprobs
+    assert first is not None and len(first) == len(prompt) and first[0] is None
+    assert all(lp is not None and len(lp.top) == 3 and lp.logprob <= max(lp.top.values()) for lp in first[1:])
+    assert all(d.prompt_logprobs is None for d in result.deltas[1:])
+    assert all(len(lp.top) == 1 for lp in result.logprobs)  # the output's own k, though SGLang sent 3
+
+
+async def test_sglang_engine_against_fake_server_closing_the_stream_aborts_the_request(
+    engine: SglangEngine, fake: tuple[str, Scheduler]
+):
+    scheduler = fake[1]
+    stream = engine.generate(req([5, 6], max_tokens=300, temperature=0.0, stream=True))
+    for _ in range(3):
+        assert (await anext(stream)).token_ids
+    await stream.aclose()
+    deadline = time.monotonic() + 10
+    while scheduler.live_requests() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert scheduler.live_requests() == 0, "the fake SGLang server still runs the abandoned request"
+    steps = scheduler.forward_ct
+    await asyncio.sleep(0.3)
+    assert scheduler.forward_ct == steps
+
+
+async def test_sglang_engine_against_fake_server_stream_across_an_update_reports_both_versions_per_token(
+    engine: SglangEngine, model_dir: Path, tmp_path: Path
+):
+    weights = perturbed_weights(model_dir, tmp_path / "v1.safetensors", 1)
+    deltas = []
+    async for delta in engine.generate(req([5, 6], max_tokens=60, temperature=0.0, ignore_eos=True, stream=True)):
+        deltas.append(delta)
+        if len(deltas) == 10:
+            await engine.update_weights(1, str(weights), resume=True)
+    result = Result(deltas)
+    per_chunk = SpanBuilder()
+    for d in deltas:
+        per_chunk.add(len(d.token_ids), d.weight_version or 0)
+    # The chunks' own versions and SGLang's exact spans on the last chunk agree.
+    assert deltas[-1].weight_versions is not None
+    assert result.spans == [(s.version, s.start, s.end) for s in per_chunk.spans]
+    ((v0, s0, e0), (v1, s1, e1)) = result.spans
+    assert (v0, s0, v1, e1) == (0, 0, 1, 60) and 10 <= e0 == s1 < 60
+
+
+async def test_sglang_engine_against_fake_server_refused_sampling_is_a_value_error(engine: SglangEngine):
+    for stream in (False, True):  # a 400, or in a stream SGLang's error event
+        with pytest.raises(ValueError, match=r"repetition_penalty must be in \(0, 2\]"):
+            await generate(engine, req(repetition_penalty=3.0, stream=stream))
+    assert (await generate(engine, greedy(2, stream=True))).token_ids
+
 
 # -- bodies and error mapping (canned answers) -----------------------------------------------
 
@@ -301,6 +488,149 @@ def test_sglang_start_profile_body_maps_tools_and_options(tmp_path: Path):
         SglangOptions.check_profiler(npu_settings, npu_settings)
     with pytest.raises(ValueError, match="with_memory"):
         SglangOptions.check_profiler(ProfileOptions(with_memory=True), ProfileOptions())
+
+
+def test_sglang_generate_body_maps_every_sampling_field():
+    spec = SamplingSpec(
+        max_tokens=9, temperature=0.7, top_p=0.9, top_k=50, min_p=0.05, seed=3, stop=["\n\n", "END"],
+        stop_token_ids=[2, 7], min_tokens=0, repetition_penalty=1.2, presence_penalty=0.5,
+        frequency_penalty=-0.5, logprobs=2, prompt_logprobs=4, include_stop_str_in_output=True,
+    )
+    sent = generate_body(GenerateRequest(prompt_token_ids=[1, 2, 3], sampling=spec, stream=True)).model_dump(exclude_none=True)
+    assert sent == {
+        "input_ids": [1, 2, 3],
+        "sampling_params": {
+            "max_new_tokens": 9, "temperature": 0.7, "top_p": 0.9, "top_k": 50, "min_p": 0.05,
+            "sampling_seed": 3, "stop": ["\n\n", "END"], "stop_token_ids": [2, 7], "ignore_eos": False,
+            "min_new_tokens": 0, "repetition_penalty": 1.2, "presence_penalty": 0.5, "frequency_penalty": -0.5,
+            "no_stop_trim": True,
+        },
+        "stream": True,
+        "return_logprob": True,
+        "top_logprobs_num": 4,  # one count in SGLang for output and prompt: the larger, each cut to its own
+        "logprob_start_len": 0,
+    }
+
+
+def test_sglang_generate_body_defaults_change_nothing_in_sglang():
+    sent = generate_body(req(max_tokens=5, min_tokens=2, ignore_eos=True)).model_dump(exclude_none=True)
+    params = sent.pop("sampling_params")
+    assert sent == {"input_ids": [5, 6, 7, 8], "stream": False, "return_logprob": False}
+    assert params["top_k"] == -1 and "sampling_seed" not in params and "stop" not in params
+    assert "stop_token_ids" not in params and params["min_new_tokens"] == 2 and params["ignore_eos"] is True
+    only_output = generate_body(req(logprobs=0)).model_dump(exclude_none=True)
+    assert only_output["return_logprob"] is True and "top_logprobs_num" not in only_output
+    assert "logprob_start_len" not in only_output
+
+
+@pytest.mark.parametrize(
+    ("sampling", "named"),
+    [({"ignore_eos": True, "stop_token_ids": [3]}, "ignore_eos"), ({"min_tokens": 2, "stop": ["x"]}, "min_tokens")],
+)
+def test_sglang_generate_body_refuses_what_sglang_would_do_otherwise(sampling, named):
+    with pytest.raises(ValueError, match=f"engine 'sglang' cannot honour .*{named}"):
+        generate_body(req(**sampling))
+
+
+def chunk(output_ids: list[int], total: int, finish: dict | None = None, **meta) -> GenerateChunk:
+    return GenerateChunk.model_validate(
+        {"output_ids": output_ids, "meta_info": {"completion_tokens": total, "finish_reason": finish, **meta}}
+    )
+
+
+def logprob_meta(lps: list[float], ids: list[int]) -> dict:
+    return {
+        "output_token_logprobs": [[lp, t, None] for lp, t in zip(lps, ids, strict=True)],
+        "output_top_logprobs": [[[lp, t, None], [lp - 1, t + 1, None]] for lp, t in zip(lps, ids, strict=True)],
+    }
+
+
+def test_sglang_chunk_reader_reads_cumulative_and_incremental_streams_alike():
+    request = req(logprobs=1, stream=True)
+    ids, lps = [11, 12, 13], [-0.1, -0.2, -0.3]
+    done = {"type": "length", "length": 3}
+    cumulative = [
+        chunk(ids[:1], 1, weight_version="default", **logprob_meta(lps[:1], ids[:1])),
+        chunk(ids[:3], 3, weight_version="1", **logprob_meta(lps[:3], ids[:3])),
+        chunk(ids[:3], 3, done, weight_version="1", **logprob_meta(lps[:3], ids[:3]),
+              weight_versions=[{"version": "default", "start": 0, "end": 1}, {"version": "1", "start": 1, "end": 3}]),
+    ]
+    incremental = [
+        chunk(ids[:1], 1, weight_version="default", **logprob_meta(lps[:1], ids[:1])),
+        chunk(ids[1:3], 3, weight_version="1", **logprob_meta(lps[1:3], ids[1:3])),
+        chunk([], 3, done, weight_version="1", **logprob_meta([], []),
+              weight_versions=[{"version": "default", "start": 0, "end": 1}, {"version": "1", "start": 1, "end": 3}]),
+    ]
+    results = []
+    for chunks in (cumulative, incremental):
+        reader = ChunkReader(request, "http://sglang.test")
+        results.append(Result([reader.read(c) for c in chunks]))
+        assert reader.finished
+    for r in results:
+        assert [d.token_ids for d in r.deltas] == [[11], [12, 13], []]
+        assert [lp.logprob for lp in r.logprobs] == lps and all(list(lp.top) == [t] for lp, t in zip(r.logprobs, ids, strict=True))
+        # SGLang's launch label ("default") is our version 0; the exact spans come on the last chunk.
+        assert [d.weight_version for d in r.deltas] == [0, 1, 1] and r.spans == [(0, 0, 1), (1, 1, 3)]
+        assert r.finish_reason == "length" and r.stop_reason is None
+
+
+@pytest.mark.parametrize(
+    ("finish", "reason", "stop_reason"),
+    [
+        ({"type": "stop", "matched": "END"}, "stop", "END"),
+        ({"type": "stop", "matched": 7}, "stop", 7),
+        ({"type": "stop", "matched": 2}, "stop", None),  # EOS: not one of the request's stop tokens
+        ({"type": "length", "length": 1}, "length", None),
+    ],
+)
+def test_sglang_chunk_reader_maps_finish_reasons(finish, reason, stop_reason):
+    reader = ChunkReader(req(stop=["END"], stop_token_ids=[7]), "http://sglang.test")
+    delta = reader.read(chunk([7], 1, finish, weight_version="3"))
+    assert (delta.finish_reason, delta.stop_reason, delta.weight_version) == (reason, stop_reason, 3)
+
+
+def test_sglang_chunk_reader_aborts_and_unreadable_streams_are_errors():
+    abort = {"type": "abort", "message": "Abort in waiting queue", "status_code": None}
+    with pytest.raises(SglangError, match="aborted the request: Abort in waiting queue"):
+        ChunkReader(req(), "http://sglang.test").read(chunk([], 0, abort))
+    refused = {"type": "abort", "message": "input too long", "status_code": 400}
+    with pytest.raises(ValueError, match="input too long"):
+        ChunkReader(req(), "http://sglang.test").read(chunk([], 0, refused))
+    reader = ChunkReader(req(), "http://sglang.test")
+    reader.read(chunk([1, 2], 2))
+    with pytest.raises(SglangError, match="not a stream this adapter can read"):
+        reader.read(chunk([3, 4, 5, 6], 3))
+    with pytest.raises(SglangError, match="1 logprobs"):
+        ChunkReader(req(logprobs=0), "http://sglang.test").read(chunk([1, 2], 2, **logprob_meta([-1.0], [1])))
+
+
+def test_sglang_sse_lines_parse_as_sglang_writes_them():
+    assert parse_sse_line('data: {"output_ids": [1]}') == {"output_ids": [1]}
+    assert parse_sse_line("") is None and parse_sse_line(": keep-alive") is None
+    assert parse_sse_line("data: [DONE]") is not None and not isinstance(parse_sse_line("data: [DONE]"), dict)
+
+
+async def test_sglang_client_stream_yields_events_until_done_and_raises_error_events():
+    def events(*lines: str) -> httpx.MockTransport:
+        body = "".join(f"{line}\n\n" for line in lines).encode()
+        return httpx.MockTransport(lambda request: httpx.Response(200, content=body, headers={"content-type": "text/event-stream"}))
+
+    body = generate_body(greedy(2, stream=True))
+    client = SglangClient("http://sglang.test", timeout_s=5, transport=events('data: {"a": 1}', 'data: {"a": 2}', "data: [DONE]", 'data: {"a": 3}'))
+    assert [e async for e in client.stream("/generate", body)] == [{"a": 1}, {"a": 2}]
+    await client.aclose()
+    error = 'data: {"error": {"message": "top_p must be in (0, 1]", "code": 400}}'
+    client = SglangClient("http://sglang.test", timeout_s=5, transport=events(error, "data: [DONE]"))
+    with pytest.raises(SglangError, match=r"streamed an error on POST /generate: top_p") as err:
+        [e async for e in client.stream("/generate", body)]
+    assert err.value.status == 400
+    await client.aclose()
+    client = SglangClient("http://sglang.test", timeout_s=5, transport=httpx.MockTransport(
+        lambda request: httpx.Response(400, json={"error": "sampling_params: unknown field `topk`"})))
+    with pytest.raises(SglangError, match="HTTP 400: sampling_params: unknown field `topk`") as err:
+        [e async for e in client.stream("/generate", body)]
+    assert err.value.status == 400
+    await client.aclose()
 
 
 @pytest.mark.parametrize(
@@ -346,7 +676,7 @@ async def test_sglang_client_unreadable_answer_is_an_error_not_a_crash():
     transport = httpx.MockTransport(lambda request: httpx.Response(200, json={"text": "no output_ids here"}))
     client = SglangClient("http://sglang.test", timeout_s=5, transport=transport)
     with pytest.raises(SglangError, match="cannot read"):
-        await client.call_for("/generate", None, GenerateAnswer)
+        await client.call_for("/generate", None, GenerateChunk)
     await client.aclose()
 
 

