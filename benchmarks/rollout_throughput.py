@@ -1,5 +1,6 @@
-"""Output tokens/s through this app on `engine: vllm` against vLLM's own OpenAI server, on the
-same tiny model, under the same closed-loop load, measured side by side in one run.
+"""Output tokens/s through this app on `engine: vllm` against a reference server (vLLM's own
+OpenAI server, or Ray Serve LLM), on the same tiny model, under the same closed-loop load,
+measured side by side in one run.
 
 * the app: the first application of `--config` (default config/serve.vllm.yaml) with 1 replica,
   profiler idle, on a private local Ray bound to 127.0.0.1 (`trainer/local_app.py`);
@@ -8,7 +9,9 @@ same tiny model, under the same closed-loop load, measured side by side in one r
   settings as the app's replica (`OMP_NUM_THREADS`: `--omp-threads`, else what the replica gets:
   the config's `replica_env`, else Ray's default for the replica's `num_cpus`, floor with at
   least 1);
-* Ray Serve LLM: only if `ray.serve.llm` imports here; the output says why not otherwise.
+* or, with `--against ray-serve-llm --python P`, Ray Serve LLM's OpenAI app on vLLM on CPU
+  (benchmarks/ray_serve_llm_app.py), run by the Python `P` of an environment where
+  `ray.serve.llm` imports with the vLLM its Ray pins, on its own private Ray.
 
 Both servers are up at once and the runs alternate (app, vLLM, vLLM, app, ...: no drift bias).
 Each run is `--clients` clients, each sending one `/v1/completions` request at a time with
@@ -21,7 +24,8 @@ which is the throughput ratio where the cores are the bottleneck, unskewed by ot
 shared machine; and the threads and OMP_NUM_THREADS of each side's processes.
 
     python benchmarks/rollout_throughput.py [--runs 6] [--seconds 20] [--clients 4] [--prompts 4]
-        [--max-tokens 64] [--omp-threads N] [--logprobs K] [--config config/serve.vllm.yaml] [--quick]
+        [--max-tokens 64] [--omp-threads N] [--logprobs K] [--config config/serve.vllm.yaml]
+        [--against vllm|ray-serve-llm] [--python P] [--quick]
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ from trainer.local_app import local_cluster, run_app
 
 console = Console()
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "HF_HUB_OFFLINE": "1"}
-APP, VLLM = "app", "vLLM server"
+APP, VLLM, RAY_SERVE_LLM = "app", "vLLM server", "Ray Serve LLM"
 OTHERS = "other processes (not this benchmark's)"
 
 
@@ -132,36 +136,46 @@ def _wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: f
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             tail = log.read_text(errors="replace")[-3000:]
-            raise RuntimeError(f"vLLM's server exited with {proc.returncode} while starting; its log ends:\n{tail}")
+            raise RuntimeError(f"the reference server exited with {proc.returncode} while starting; its log ends:\n{tail}")
         with contextlib.suppress(httpx.HTTPError):
             if httpx.get(f"{url}/v1/models", timeout=5).status_code == 200:
                 return
         time.sleep(1)
-    raise TimeoutError(f"vLLM's server did not answer /v1/models within {timeout_s:.0f}s (log: {log})")
+    raise TimeoutError(f"the reference server did not answer /v1/models within {timeout_s:.0f}s (log: {log})")
 
 
-@contextlib.contextmanager
-def vllm_server(
-    model_dir: str, name: str, opts: VllmOptions, env: dict[str, str], log: Path
-) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """vLLM's own OpenAI server on loopback, in its own process group; (base URL, process), not yet
-    ready (`_wait_ready`): it starts while the app does. Stopped by
-    SIGTERM to its pid (it stops its engine process), then SIGKILL to its group if it hangs."""
-    port = free_port()
+def vllm_server_command(python: str, model_dir: str, name: str, opts: VllmOptions, port: int) -> list[str]:
+    """vLLM's own OpenAI server on the app's engine settings."""
     cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        python, "-m", "vllm.entrypoints.openai.api_server",
         "--model", model_dir, "--served-model-name", name,
         "--host", "127.0.0.1", "--port", str(port),
         "--dtype", opts.dtype, "--max-model-len", str(opts.max_model_len),
     ]  # fmt: skip
-    if opts.enforce_eager:
-        cmd.append("--enforce-eager")
+    return [*cmd, "--enforce-eager"] if opts.enforce_eager else cmd
+
+
+def ray_serve_llm_command(python: str, model_dir: str, name: str, opts: VllmOptions, port: int, num_cpus: float) -> list[str]:
+    """Ray Serve LLM's OpenAI app (benchmarks/ray_serve_llm_app.py) under `python`, whose
+    environment has the vLLM Ray Serve LLM pins."""
+    return [
+        python, str(Path(__file__).with_name("ray_serve_llm_app.py")),
+        "--model-dir", model_dir, "--name", name, "--port", str(port),
+        "--dtype", opts.dtype, "--max-model-len", str(opts.max_model_len), "--num-cpus", str(num_cpus),
+    ]  # fmt: skip
+
+
+@contextlib.contextmanager
+def reference_server(cmd: list[str], env: dict[str, str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """The reference server `cmd` in its own process group, not yet ready (`_wait_ready`): it
+    starts while the app does. Stopped by SIGTERM to its pid (it stops what it started), then
+    SIGKILL to its group if it hangs."""
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             cmd, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
     try:
-        yield f"http://127.0.0.1:{port}", proc
+        yield proc
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -205,9 +219,11 @@ def _engine_role(pid: int, root: int, root_name: str) -> str:
     return "vLLM EngineCore" if b"EngineCore" in title else "vLLM worker" if b"Worker" in title else "vLLM helpers"
 
 
-def _role(pid: int, me: int, vllm_root: int, vllm_tree: set[int], replica_root: int | None, app_tree: set[int]) -> str:
-    if pid in vllm_tree:
-        return f"{VLLM}: " + _engine_role(pid, vllm_root, "API server")
+def _role(
+    pid: int, me: int, ref: str, ref_root: int, ref_tree: set[int], replica_root: int | None, app_tree: set[int]
+) -> str:
+    if pid in ref_tree:
+        return f"{ref}: " + _engine_role(pid, ref_root, "API server" if ref == VLLM else "launcher")
     if pid in app_tree:
         return f"{APP}: " + _engine_role(pid, replica_root or -1, "replica")
     if pid == me:
@@ -216,13 +232,13 @@ def _role(pid: int, me: int, vllm_root: int, vllm_tree: set[int], replica_root: 
     return next((role for marker, role in _OUR_RAY_ROLES if title.startswith(marker)), "Ray: system")
 
 
-def cpu_by_role(vllm_root: int, replica_root: int | None) -> dict[str, float]:
+def cpu_by_role(ref: str, ref_root: int, replica_root: int | None) -> dict[str, float]:
     """CPU seconds (user + system) used so far by every process on this machine, by role. Ours
-    descend from this process (the local Ray's processes, vLLM's server); the rest are other
-    users of the machine."""
+    descend from this process (the local Ray's processes, the reference server `ref` and what it
+    started); the rest are other users of the machine."""
     me = os.getpid()
     ours = set(_descendants(me))
-    vllm_tree = set(_descendants(vllm_root))
+    ref_tree = set(_descendants(ref_root))
     app_tree = set(_descendants(replica_root)) if replica_root else set()
     cpu: dict[str, float] = {}
     for p in Path("/proc").iterdir():
@@ -232,7 +248,7 @@ def cpu_by_role(vllm_root: int, replica_root: int | None) -> dict[str, float]:
         with contextlib.suppress(OSError, ValueError, IndexError):
             fields = (p / "stat").read_text().rsplit(")", 1)[1].split()
             used = (int(fields[11]) + int(fields[12])) * _TICK_S
-            role = _role(pid, me, vllm_root, vllm_tree, replica_root, app_tree) if pid in ours else OTHERS
+            role = _role(pid, me, ref, ref_root, ref_tree, replica_root, app_tree) if pid in ours else OTHERS
             cpu[role] = cpu.get(role, 0.0) + used
     return cpu
 
@@ -263,15 +279,6 @@ def thread_report(label: str, root: int) -> list[tuple[str, str, str, str]]:
     return rows
 
 
-def ray_serve_llm() -> str:
-    """Whether Ray Serve LLM imports with this environment's vLLM (nothing is installed)."""
-    r = subprocess.run([sys.executable, "-c", "import ray.serve.llm"], capture_output=True, text=True, timeout=300)
-    if r.returncode == 0:
-        return "ray.serve.llm imports, but this benchmark does not drive it yet"
-    last = (r.stderr.strip().splitlines() or ["no output"])[-1]
-    return f"not measured: `import ray.serve.llm` fails here ({last}); ray[llm] pins another vLLM than this one"
-
-
 def replica_omp_threads(args: dict[str, Any]) -> str:
     """OMP_NUM_THREADS the app's replica runs with: its replica_env's, else Ray's default for an
     actor's `num_cpus` (floor, at least 1: 1 for any fractional share)."""
@@ -280,9 +287,9 @@ def replica_omp_threads(args: dict[str, Any]) -> str:
     return str(max(1, math.floor(float(args.get("replica_num_cpus", 0.25)))))
 
 
-def _alternating(runs: int) -> Iterator[str]:
+def _alternating(runs: int, ref: str) -> Iterator[str]:
     for i in range(runs):
-        yield from (APP, VLLM) if i % 2 == 0 else (VLLM, APP)
+        yield from (APP, ref) if i % 2 == 0 else (ref, APP)
 
 
 def main(
@@ -294,6 +301,14 @@ def main(
     omp_threads: int | None = typer.Option(None, min=1, help="OMP_NUM_THREADS of both (default: the replica's)."),
     logprobs: int | None = typer.Option(None, min=0, help="Ask both for `logprobs` (default: not asked)."),
     config: str = typer.Option("config/serve.vllm.yaml", help="The app's Serve config."),
+    against: str = typer.Option(
+        "vllm", help="The reference server: 'vllm' (vLLM's own OpenAI server) or 'ray-serve-llm' (Ray Serve LLM)."
+    ),
+    python: str = typer.Option(
+        sys.executable,
+        help="The Python of the reference server's environment (for ray-serve-llm: one where ray.serve.llm "
+        "imports with the vLLM Ray pins).",
+    ),
     quick: bool = typer.Option(False, help="A smoke run: 2 runs of 5 s each."),
 ) -> None:
     if quick:
@@ -304,7 +319,9 @@ def main(
     cfg_args = spec.get("args", {})
     threads = str(omp_threads) if omp_threads is not None else replica_omp_threads(cfg_args)
     work = Path(tempfile.mkdtemp(prefix="bench-throughput-"))
-    console.print(f"Ray Serve LLM: {ray_serve_llm()}")
+    if against not in ("vllm", "ray-serve-llm"):
+        raise typer.BadParameter(f"--against {against!r}: give 'vllm' or 'ray-serve-llm'")
+    ref = VLLM if against == "vllm" else RAY_SERVE_LLM
     args = {
         **cfg_args,
         "num_replicas": 1,
@@ -315,15 +332,21 @@ def main(
     parsed = parse_args(args)
     args["model_path"] = parsed.model_path or str(ensure_tiny_model(parsed.tiny_model))
     vllm_env = {**VLLM_ENV, **cfg_args.get("replica_env", {}), "OMP_NUM_THREADS": threads}
-    console.print(f"starting the app ({config}, 1 replica) and vLLM's server, OMP_NUM_THREADS={threads} in both ...")
-    log = work / "vllm.log"
+    console.print(f"starting the app ({config}, 1 replica) and {ref}, OMP_NUM_THREADS={threads} in both ...")
+    log = work / "reference.log"
     name = spec.get("name", "rollout")
+    ref_port = free_port()
+    cmd = (
+        vllm_server_command(python, args["model_path"], parsed.model_name, parsed.vllm, ref_port)
+        if ref == VLLM
+        else ray_serve_llm_command(python, args["model_path"], parsed.model_name, parsed.vllm, ref_port, parsed.replica_num_cpus)
+    )
     # Ray first: its head gives up after 30 s when the machine is busy starting vLLM as well.
-    server = vllm_server(args["model_path"], parsed.model_name, parsed.vllm, vllm_env, log)
-    with local_cluster() as port, server as (vurl, vproc):
+    with local_cluster() as port, reference_server(cmd, vllm_env, log) as vproc:
         app_url = run_app(port, name, args)
+        vurl = f"http://127.0.0.1:{ref_port}"
         _wait_ready(vurl, vproc, log)
-        urls = {APP: app_url, VLLM: vurl}
+        urls = {APP: app_url, ref: vurl}
         bodies = {}
         for side, url in urls.items():
             ok, why = _accepts_ignore_eos(url, parsed.model_name)
@@ -333,20 +356,22 @@ def main(
         for side in urls:  # warm-up, outside the figures
             asyncio.run(_run(urls[side], bodies[side], clients, min(seconds, 3.0)))
         replica = _replica_pid(name)
-        results: dict[str, list[Run]] = {APP: [], VLLM: []}
-        for side in _alternating(runs):
-            before = cpu_by_role(vproc.pid, replica)
+        results: dict[str, list[Run]] = {APP: [], ref: []}
+        for side in _alternating(runs, ref):
+            before = cpu_by_role(ref, vproc.pid, replica)
             r = asyncio.run(_run(urls[side], bodies[side], clients, seconds))
-            after = cpu_by_role(vproc.pid, replica)
+            after = cpu_by_role(ref, vproc.pid, replica)
             r.cpu_s = {role: after[role] - before.get(role, 0.0) for role in after}
             results[side].append(r)
             console.print(f"  {side:12s} run {len(results[side])}: {r.tokens_per_s:8.1f} tok/s ({r.requests} requests)")
-        rows = (thread_report(APP, replica) if replica else []) + thread_report(VLLM, vproc.pid)
-    _print(results, load, seconds, rows)
-    console.print(f"(working directory {work}, vLLM's server log in it)")
+        rows = (thread_report(APP, replica) if replica else []) + thread_report(ref, vproc.pid)
+    _print(results, ref, load, seconds, rows)
+    console.print(f"(working directory {work}, the reference server's log in it)")
 
 
-def _print(results: dict[str, list[Run]], load: Load, seconds: float, rows: list[tuple[str, str, str, str]]) -> None:
+def _print(
+    results: dict[str, list[Run]], ref: str, load: Load, seconds: float, rows: list[tuple[str, str, str, str]]
+) -> None:
     table = Table(
         title=f"Output tokens/s, {load.clients} clients x {load.prompts} prompts x {load.max_tokens} tokens, "
         f"{len(results[APP])} runs of {seconds:.0f} s each"
@@ -361,24 +386,25 @@ def _print(results: dict[str, list[Run]], load: Load, seconds: float, rows: list
         )
     console.print(table)
     ratio = statistics.median(r.tokens_per_s for r in results[APP]) / statistics.median(
-        r.tokens_per_s for r in results[VLLM]
+        r.tokens_per_s for r in results[ref]
     )
-    console.print(f"app / vLLM's server (medians): [bold]{ratio:.2f}x[/bold] (goal >= 0.9)")
+    goal = 0.9 if ref == VLLM else 1.0
+    console.print(f"app / {ref} (medians): [bold]{ratio:.2f}x[/bold] (goal >= {goal})")
     cpu = Table(title="CPU ms per 1000 output tokens, by process (medians over each server's runs)")
-    for col in ("process", f"during {APP} runs", f"during {VLLM} runs"):
+    for col in ("process", f"during {APP} runs", f"during {ref} runs"):
         cpu.add_column(col, justify="left" if col == "process" else "right")
     roles = sorted({role for rs in results.values() for r in rs for role in r.cpu_s})
     per_kt = {side: {role: _median_per_kt(rs, role) for role in roles} for side, rs in results.items()}
     for role in roles:
-        if max(per_kt[APP][role], per_kt[VLLM][role]) >= 0.5:
-            cpu.add_row(role, *(f"{per_kt[side][role]:.0f}" for side in (APP, VLLM)))
+        if max(per_kt[APP][role], per_kt[ref][role]) >= 0.5:
+            cpu.add_row(role, *(f"{per_kt[side][role]:.0f}" for side in (APP, ref)))
     ours = {side: statistics.median(_ours_per_kt(r) for r in rs) for side, rs in results.items()}
-    cpu.add_row("[bold]all of this benchmark's processes[/bold]", *(f"{ours[side]:.0f}" for side in (APP, VLLM)))
+    cpu.add_row("[bold]all of this benchmark's processes[/bold]", *(f"{ours[side]:.0f}" for side in (APP, ref)))
     busy = {side: statistics.median(sum(r.cpu_s.values()) / r.seconds for r in rs) for side, rs in results.items()}
-    cpu.add_row("busy cores, all processes (median)", *(f"{busy[side]:.2f}" for side in (APP, VLLM)))
+    cpu.add_row("busy cores, all processes (median)", *(f"{busy[side]:.2f}" for side in (APP, ref)))
     console.print(cpu)
     console.print(
-        f"CPU per token, vLLM's server / app: [bold]{ours[VLLM] / ours[APP]:.2f}x[/bold] (where the cores are the "
+        f"CPU per token, {ref} / app: [bold]{ours[ref] / ours[APP]:.2f}x[/bold] (where the cores are the "
         "bottleneck, the throughput ratio that other users of the machine do not skew)"
     )
     threads = Table(title="Processes after the runs")

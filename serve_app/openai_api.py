@@ -82,7 +82,7 @@ class SamplingFields(StrictModel):
     stream_options: StreamOptions | None = None
     """With stream: `include_usage` adds a last chunk carrying `usage`."""
     user: str | None = Field(None, max_length=256)
-    """The end user, as the caller names it (logged with the request, not used otherwise)."""
+    """The end user, as the caller names it: accepted (OpenAI clients send it), changes nothing."""
 
     @field_validator("temperature")
     @classmethod
