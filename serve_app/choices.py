@@ -24,6 +24,7 @@ from serve_app.openai_api import (
     CompletionChunkChoice,
     CompletionLogprobs,
     CompletionRequest,
+    FinishReason,
     TokenLogprob,
     TopLogprob,
 )
@@ -142,8 +143,7 @@ class ChoiceBuilder:
             self._prompt_logprobs = delta.prompt_logprobs
         self.token_ids.extend(delta.token_ids)
         self._logprobs.extend(delta.logprobs)
-        version = delta.weight_version if delta.weight_version is not None else self._fallback
-        self._spans.add(len(delta.token_ids), version)
+        self._spans.add(len(delta.token_ids), self._version_of(delta))
         if delta.weight_versions is not None:
             self._spans.replace(delta.weight_versions)
         if delta.finish_reason is not None:
@@ -172,7 +172,7 @@ class ChoiceBuilder:
             weight_versions=self._spans.spans,
             stop_reason=self.stop_reason,
         )
-        finish = "stop" if self.finish_reason == "stop" else "length"
+        finish = self._wire_finish()
         if self._chat:
             return ChatChoice(
                 index=self.index,
@@ -211,13 +211,11 @@ class ChoiceBuilder:
         tokens = dict(
             token_ids=delta.token_ids,
             prompt_token_ids=self.prompt_ids if first else None,
-            weight_version=(delta.weight_version if delta.weight_version is not None else self._fallback)
-            if delta.token_ids
-            else None,
+            weight_version=self._version_of(delta) if delta.token_ids else None,
             weight_versions=self._spans.spans if self.finished else None,
             stop_reason=self.stop_reason if self.finished else None,
         )
-        finish = None if not self.finished else "stop" if self.finish_reason == "stop" else "length"
+        finish = self._wire_finish() if self.finished else None
         if self._chat:
             return ChatChunkChoice(
                 index=self.index,
@@ -234,6 +232,13 @@ class ChoiceBuilder:
             logprobs=self._completion_logprobs(delta.token_ids, delta.logprobs, echo=first),
             **tokens,
         )
+
+    def _version_of(self, delta: GenerateDelta) -> int:
+        """The version that sampled `delta`'s tokens (the replica's, where the engine does not say)."""
+        return delta.weight_version if delta.weight_version is not None else self._fallback
+
+    def _wire_finish(self) -> FinishReason:
+        return "stop" if self.finish_reason == "stop" else "length"
 
     # -- logprobs --------------------------------------------------------------------------
     def _completion_logprobs(

@@ -22,11 +22,12 @@ from profiling.manifest import ManifestEntry
 from profiling.session import ProfileSession, SessionConflict, SessionSpec
 from profiling.store import TraceStore
 from serve_app.api import ReplicaReport
+from serve_app.async_streams import merged
 from serve_app.choices import ChoiceBuilder, JobAccepted, JobDone, JobResult, PromptJob, choice_index, sampling_for
 from serve_app.config import AppArgs
 from serve_app.desired_state import DesiredStateStore
 from serve_app.engines import create_engine
-from serve_app.engines.base import check_fits, merged, room_left
+from serve_app.engines.base import check_fits, room_left
 from serve_app.engines.generation import GenerateRequest
 from serve_app.openai_api import ChatChunkChoice, ChatCompletionRequest, CompletionChunkChoice
 from serve_app.reconcile import Reconciler
@@ -113,7 +114,7 @@ class RolloutReplica:
         return list(await asyncio.gather(*(self._run_job(j) for j in jobs)))
 
     async def _run_job(self, job: PromptJob) -> JobResult:
-        prompt_ids, builders, requests = await self._prepare(job, stream=False)
+        builders, requests = await self._prepare(job, stream=False)
 
         async def run(builder: ChoiceBuilder, request: GenerateRequest) -> None:
             async for delta in self.engine.generate(request):
@@ -133,17 +134,15 @@ class RolloutReplica:
         sequences are queued, then pieces as the engine makes tokens, then `JobDone`. Closing
         the stream (the caller went away) aborts every sequence still running."""
         prepared = [await self._prepare(j, stream=True) for j in jobs]
-        builders = [b for _, bs, _ in prepared for b in bs]
-        requests = [r for _, _, rs in prepared for r in rs]
-        yield JobAccepted(prompt_tokens=sum(len(ids) for ids, _, _ in prepared))
+        builders = [b for bs, _ in prepared for b in bs]
+        requests = [r for _, rs in prepared for r in rs]
+        yield JobAccepted(prompt_tokens=sum(len(bs[0].prompt_ids) for bs, _ in prepared))
         async for i, delta in merged(self.engine.generate(r) for r in requests):
             if (piece := builders[i].piece(delta)) is not None:
                 yield piece
         yield JobDone(completion_tokens=sum(len(b.token_ids) for b in builders))
 
-    async def _prepare(
-        self, job: PromptJob, stream: bool
-    ) -> tuple[list[int], list[ChoiceBuilder], list[GenerateRequest]]:
+    async def _prepare(self, job: PromptJob, stream: bool) -> tuple[list[ChoiceBuilder], list[GenerateRequest]]:
         """Tokenize (off the event loop: a long prompt must not stall control calls and health
         checks), check the prompt fits, and build each choice's request. ValueError: a 422."""
         engine, request = self.engine, job.request
@@ -160,7 +159,8 @@ class RolloutReplica:
         max_tokens = request.output_limit()
         if max_tokens is None:
             max_tokens = room_left(engine.context_length, len(prompt_ids))
-        check_fits(engine.context_length, len(prompt_ids), max_tokens)
+        else:
+            check_fits(engine.context_length, len(prompt_ids), max_tokens)
         text = job.prompt if isinstance(job.prompt, str) else None
         builders, requests = [], []
         for i in range(request.n):
@@ -173,7 +173,7 @@ class RolloutReplica:
                     stream=stream,
                 )
             )
-        return prompt_ids, builders, requests
+        return builders, requests
 
     # -- control (broadcast) ------------------------------------------------------------------
     async def start_profile(self, spec: SessionSpec) -> ReplicaReport:

@@ -26,7 +26,7 @@ import logging
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from pathlib import Path
 from typing import ClassVar, Generic, TypeVar
 
@@ -90,37 +90,6 @@ def room_left(context_length: int | None, prompt_tokens: int) -> int:
             f"{context_length} tokens; shorten the prompt"
         )
     return context_length - prompt_tokens
-
-
-async def merged(streams: Iterable[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
-    """Items of several async iterators as they come, each with its iterator's index. The first
-    failure is raised; closing this iterator (or a failure) closes every stream still open."""
-    queue: asyncio.Queue[tuple[int, T | None, BaseException | None, bool]] = asyncio.Queue()
-
-    async def pump(i: int, stream: AsyncIterator[T]) -> None:
-        try:
-            async for item in stream:
-                await queue.put((i, item, None, False))
-        except Exception as e:  # noqa: BLE001 - handed to the consumer, which raises it
-            await queue.put((i, None, e, True))
-            return
-        await queue.put((i, None, None, True))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        open_streams = len(tasks)
-        while open_streams:
-            i, item, error, done = await queue.get()
-            if error is not None:
-                raise error
-            if done:
-                open_streams -= 1
-            else:
-                yield i, item  # type: ignore[misc]  # not done: an item
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class RolloutEngine(HfTokenizerMixin, ABC, Generic[W]):

@@ -214,7 +214,8 @@ class TransformersEngine(RolloutEngine[StateDict]):
                     outbox.append((s, sampled))
                 next_ids.append(self._pad)
                 continue
-            finish = s.sampler.append(sampled.token_id, self._decode_output)
+            # The text stop strings are matched in is the replica's: the tokenizer's `detokenize`.
+            finish = s.sampler.append(sampled.token_id, self.detokenize)
             if (deltas := s.delta(sampled, version, finish)) is not None:
                 outbox.append((s, deltas))
             next_ids.append(sampled.token_id)
@@ -225,10 +226,6 @@ class TransformersEngine(RolloutEngine[StateDict]):
         )
         batch.position_ids = batch.position_ids[:, -1:] + 1
         self._batch = self._without_ended(batch)
-
-    def _decode_output(self, token_ids: list[int]) -> str:
-        # The text stop strings are matched in: as the replica detokenizes the output.
-        return self._decode(token_ids, skip_special_tokens=True)
 
     @staticmethod
     def _without_ended(batch: _Batch) -> _Batch | None:

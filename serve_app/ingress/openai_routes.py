@@ -20,8 +20,8 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from serve_app.api import ErrorResponse
+from serve_app.async_streams import merged
 from serve_app.choices import JobAccepted, JobDone, JobResult, OpenAIRequest, PromptJob
-from serve_app.engines.base import merged
 from serve_app.engines.options import EngineOptions
 from serve_app.errors import ControlError, NotFound, Refused, Unavailable
 from serve_app.ingress.settings import current
@@ -89,13 +89,7 @@ class OpenAIRoutesMixin:
     async def completions(self, body: CompletionRequest) -> Response:
         """OpenAI completions; each choice adds its token ids and weight-version spans."""
         prompts = body.prompts()
-        self._check(body, len(prompts))
-        for i, p in enumerate(prompts):
-            if isinstance(p, str) and len(p) > self.request_limits.max_prompt_chars:
-                raise Refused(
-                    f"prompt {i}: {len(p)} characters, over request_limits.max_prompt_chars "
-                    f"{self.request_limits.max_prompt_chars}"
-                )
+        self._check(body, len(prompts), {f"prompt {i}": len(p) for i, p in enumerate(prompts) if isinstance(p, str)})
         jobs = [PromptJob(request=body, prompt_index=i, prompt=p) for i, p in enumerate(prompts)]
         if body.stream:
             return await self._stream(body, jobs, CompletionChunk, "cmpl")
@@ -114,13 +108,7 @@ class OpenAIRoutesMixin:
     async def chat_completions(self, body: ChatCompletionRequest) -> Response:
         """OpenAI chat completions over the model's chat template; each choice adds the token ids
         of prompt and answer and the answer's weight-version spans."""
-        self._check(body, 1)
-        chars = sum(len(m.text()) for m in body.messages)
-        if chars > self.request_limits.max_prompt_chars:
-            raise Refused(
-                f"messages: {chars} characters, over request_limits.max_prompt_chars "
-                f"{self.request_limits.max_prompt_chars}"
-            )
+        self._check(body, 1, {"messages": sum(len(m.text()) for m in body.messages)})
         jobs = [PromptJob(request=body, prompt_index=0)]
         if body.stream:
             return await self._stream(body, jobs, ChatCompletionChunk, "chatcmpl")
@@ -137,8 +125,9 @@ class OpenAIRoutesMixin:
         )
 
     # -- internals -------------------------------------------------------------------------
-    def _check(self, body: OpenAIRequest, prompts: int) -> None:
-        """Before anything is tokenized or queued: the model, the engine's fields, the size."""
+    def _check(self, body: OpenAIRequest, prompts: int, chars: dict[str, int]) -> None:
+        """Before anything is tokenized or queued: the model, the engine's fields, the size.
+        `chars`: the characters of each text to tokenize, by the name a refusal gives it."""
         if body.model is not None and body.model != self.model_name:
             raise NotFound(f"model {body.model!r} is not served; this app serves {self.model_name!r}")
         options = self.engine_options
@@ -153,6 +142,9 @@ class OpenAIRoutesMixin:
                 f"{prompts} prompts x n={body.n} = {prompts * body.n} choices, over request_limits.max_choices "
                 f"{limits.max_choices}"
             )
+        for name, count in chars.items():
+            if count > limits.max_prompt_chars:
+                raise Refused(f"{name}: {count} characters, over request_limits.max_prompt_chars {limits.max_prompt_chars}")
 
     def _calls(self, jobs: list[PromptJob]) -> list[list[PromptJob]]:
         """The prompts of a request in as few handle calls as still spread it over the replicas
