@@ -10,9 +10,10 @@
     diff DIR --step A --step B         what got slower from step A to step B
     report DIR [--step K]              step_<k>/report.html and index.html
     ranks DIR [--step K]               step_<k>/ranks/: the step as ranks, for HTA and TensorBoard
+    verify DIR [--step K]              check attribution: manifests, files, markers, clocks
 
-Exit codes: 0 done; 1 the operation failed (a merge failed, the app refused the call, or a
-replica did not carry it out); 2 bad usage (unknown option, no such directory or step);
+Exit codes: 0 done; 1 the operation failed (a merge failed, the app refused the call, a
+replica did not carry it out, or verify found a violation); 2 bad usage (unknown option, no such directory or step);
 3 the app could not be reached. `--json` prints machine-readable output on stdout; messages
 and progress bars go to stderr.
 """
@@ -45,6 +46,7 @@ from profiling.analysis.diff import StepDiff, diff_steps
 from profiling.analysis.merge import MergeError, merge_step
 from profiling.analysis.sources import find_inputs, load_manifest
 from profiling.analysis.summary import StepSummary, summarize_step
+from profiling.analysis.verify import Finding, VerifyReport, trace_bytes, verify_steps
 from profiling.manifest import ManifestStatus, MergeRecord
 from profiling.store import MERGED_TRACE, TraceStore
 
@@ -336,7 +338,51 @@ def ranks(directory: Dir, step: Steps = None, as_json: AsJson = False) -> None:
             err.print(f"  skipped {note}", markup=False)
 
 
+@app.command()
+def verify(directory: Dir, step: Steps = None, as_json: AsJson = False) -> None:
+    """Check that each step's traces hold what its manifest says: the manifest settled (or its
+    failures explained), every listed file present and parsing, every forward step on the step's
+    weights (a continuous window: its versions in order, each after its weight update), as many
+    forward steps as counted, none on those weights outside the window, and clocks aligned.
+    Exit 1 on any violation. JSON: the report (steps, violations, notes)."""
+    store = _store(directory)
+    steps = _steps(store, step)
+    columns = (TextColumn("verifying"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=err, transient=True, disable=as_json or not err.is_terminal) as progress:
+        task = progress.add_task("verifying", total=trace_bytes(store, steps))
+        result = verify_steps(store, steps, lambda n: progress.advance(task, n))
+    if as_json:
+        _print_json(result)
+    else:
+        print_verify_report(out, result)
+    if not result.ok:
+        raise typer.Exit(EXIT_FAILED)
+
+
 # -- printing --------------------------------------------------------------------------------------
+
+
+def print_verify_report(console: Console, report: VerifyReport, notes: bool = True) -> None:
+    """The violations (and, with `notes`, the notes) as tables, then one summary line:
+    `N steps verified: M violations`."""
+    for title, findings in (("violations", report.violations), ("notes", report.notes if notes else [])):
+        if findings:
+            console.print(_findings_table(title, findings))
+    n, m = len(report.steps), len(report.violations)
+    console.print(
+        f"{n} step{'s' * (n != 1)} verified: {m} violation{'s' * (m != 1)}"
+        + (f", {len(report.notes)} note{'s' * (len(report.notes) != 1)}" if notes and report.notes else ""),
+        markup=False,
+    )
+
+
+def _findings_table(title: str, findings: list[Finding]) -> Table:
+    table = Table(title=f"verify: {title}")
+    for col in ("step", "entry", "check", "problem" if title == "violations" else "note"):
+        table.add_column(col, justify="right" if col == "step" else "left", overflow="fold")
+    for f in findings:
+        table.add_row(str(f.step), f.entry, f.check, f.message)
+    return table
 
 
 def _ms(v: float | None) -> str:

@@ -16,6 +16,8 @@ from profiling.step_stats import RequestStats, Staleness
 
 Role = Literal["rollout", "trainer"]
 ManifestStatus = Literal["recording", "exporting", "complete", "partial"]
+AutoStop = Literal["max_forward_steps", "max_duration_s", "max_trace_mb"]
+"""Why a window stopped recording before its stop."""
 
 
 class SyncCost(BaseModel):
@@ -102,7 +104,7 @@ class ManifestEntry(BaseModel):
     forward_steps: int = 0
     late_start: bool = False
     """The process joined after the step had started (replica started or restarted)."""
-    auto_stopped: Literal["max_forward_steps", "max_duration_s", "max_trace_mb"] | None = None
+    auto_stopped: AutoStop | None = None
     """Why the window stopped recording before its stop: a cap, or `max_trace_mb` when the steps
     recorded so far were estimated to fill the trace budget."""
     trace_mb: float | None = None
@@ -133,6 +135,11 @@ class ManifestEntry(BaseModel):
     """Rollout entries: seconds the replica held admission for the sync that ended the step, from
     its stop with `pause` to the start (or resuming update, or hold expiry) that released it; the
     profiler's finalize runs within it. Added when the hold ends (None: the stop did not pause)."""
+    forward_steps_outside: int | None = None
+    """Rollout entries of a window on one weight version: forward passes the engine ran on that
+    version (`weight_version`) outside the window, counted when the engine loaded the next version
+    (None: not counted: that version is still served, the window spans versions, or the engine
+    does not count its passes). A step profiled with pause has 0 (docs/design.md#exact-attribution)."""
     error: str | None = None
 
     @property

@@ -29,7 +29,7 @@ from pydantic import BaseModel, Field
 
 from profiling.backends import ProfilerBackend, RecordedTrace, create_backend
 from profiling.config import ProfileOptions
-from profiling.manifest import ClockSync, ManifestEntry
+from profiling.manifest import AutoStop, ClockSync, ManifestEntry
 from profiling.memory import release_freed_memory
 from profiling.store import TraceStore
 from profiling.trace_budget import MIB, StepSizeEstimate, budget_bytes, json_bytes_over
@@ -97,6 +97,10 @@ class ProfileSession:
         self._written: dict[int, ManifestEntry] = {}
         self._step_sizes = StepSizeEstimate()
         self._lock = threading.Lock()
+        self._recorded_by_version: dict[int, int] = {}
+        # Weight version -> the last window that started on it; windows a weight load fell in.
+        self._started_on: dict[int, int] = {}
+        self._spanning: set[int] = set()
 
     # -- read from any thread ----------------------------------------------------------------
     @property
@@ -117,6 +121,18 @@ class ProfileSession:
     @property
     def forward_steps(self) -> int:
         return self._entry.forward_steps if self._entry else 0
+
+    def recorded_by_version(self) -> dict[int, int]:
+        """Forward steps recorded (`forward_step` while recording), by weight version."""
+        return dict(self._recorded_by_version)
+
+    def step_started_on(self, version: int) -> int | None:
+        """The window that started on weights `version` and recorded them alone: closed, and no
+        weight load fell inside it (None: there is none)."""
+        step = self._started_on.get(version)
+        if step is None or step == self.active_step or step in self._spanning:
+            return None
+        return step
 
     def annotate(self, step: int, **fields: object) -> None:
         """Add fields to `step`'s entry (e.g. the sync cost known only after the stop), whether
@@ -171,6 +187,8 @@ class ProfileSession:
             self._annotations.pop(spec.step, None)
             self._written.pop(spec.step, None)
         self._spec, self._backend, self._entry, self._state = spec, backend, entry, "profiling"
+        self._started_on[weight_version] = spec.step
+        self._spanning.discard(spec.step)
         limit = spec.options.max_duration_s
         self._deadline = time.monotonic() + limit if limit else None
         return True
@@ -223,6 +241,7 @@ class ProfileSession:
         with self._backend.mark(f"forward_step#{n} step={self._spec.step} weight_version={weight_version}"):
             yield
         self._entry.forward_steps = n + 1
+        self._recorded_by_version[weight_version] = self._recorded_by_version.get(weight_version, 0) + 1
         if weight_version not in self._entry.weight_versions:
             self._entry.weight_versions.append(weight_version)
         limit = self._spec.options.max_forward_steps
@@ -232,6 +251,11 @@ class ProfileSession:
             self._cap("max_trace_mb")
         else:
             self.check_deadline()
+
+    def note_weight_load(self) -> None:
+        """The engine loads new weights now: the active window (if any) spans two versions."""
+        if self._spec is not None:
+            self._spanning.add(self._spec.step)
 
     def mark_weight_update(self, version: int, apply: Callable[[], None]) -> None:
         """Run `apply` (the weight swap) inside a trace range, if recording."""
@@ -248,7 +272,7 @@ class ProfileSession:
             self._cap("max_duration_s")
 
     # -- internals -----------------------------------------------------------------------------
-    def _cap(self, reason: Literal["max_forward_steps", "max_duration_s", "max_trace_mb"]) -> None:
+    def _cap(self, reason: AutoStop) -> None:
         assert self._entry is not None
         assert self._spec is not None and self._backend is not None
         self._entry.auto_stopped = reason
@@ -297,6 +321,9 @@ class ProfileSession:
             entry.bytes = sum(p.stat().st_size for p in paths)
             if trace.forward_steps is not None:
                 entry.forward_steps = trace.forward_steps
+            if trace.weight_versions is not None:
+                entry.weight_versions = trace.weight_versions
+            entry.auto_stopped = entry.auto_stopped or trace.auto_stopped
             self._account_budget(spec.options, entry, trace, paths)
         except Exception as e:  # noqa: BLE001 - any export failure is recorded, not raised
             entry.status, entry.files = "error", []

@@ -64,6 +64,7 @@ class RolloutReplica:
             self.replica_id,
             trace_root=store.root,
         )
+        await self.engine.opened()
         self._desired = DesiredStateStore(ctx.app_name)
         self._reconciler = Reconciler(self.engine, self._desired)
         await self._join()

@@ -12,7 +12,9 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from profiling.analysis.verify import VerifyReport, verify_steps
 from profiling.backends.torch_profiler import init_kineto, quiet_kineto_env
+from profiling.cli import print_verify_report
 from profiling.manifest import StepManifest
 from profiling.schedule import StepSchedule
 from profiling.store import TraceStore
@@ -43,9 +45,12 @@ def main(
         f"reward {result.first_reward:.3f} (first fifth of versions) -> {result.last_reward:.3f} (last fifth); "
         f"{result.dropped_stale} stale samples dropped"
     )
+    verified = None
     if manifests:
+        store = TraceStore(cfg.global_profiler.save_path)
         console.print(profile_table(manifests))
-        console.print(f"traces under {TraceStore(cfg.global_profiler.save_path).root}")
+        console.print(f"traces under {store.root}")
+        verified = _verify(store, [k for k, m in manifests.items() if m is not None])
     if report is not None:
         index, merge_errors = report
         console.print(f"report: {index}", soft_wrap=True)  # one line, for scripts
@@ -56,6 +61,20 @@ def main(
     if any(m is None or m.status != "complete" for m in manifests.values()):
         console.print("[red]error:[/red] some profiled steps are not complete (see the table)")
         raise typer.Exit(1)
+    if verified is not None and not verified.ok:
+        console.print(
+            "[red]error:[/red] the recorded steps do not verify (see the violations above; "
+            "`python -m profiling verify <save_path>` repeats the check)"
+        )
+        raise typer.Exit(1)
+
+
+def _verify(store: TraceStore, steps: list[int]) -> VerifyReport:
+    """Check the steps recorded (docs/analysis.md#verify) and print the violations, if any, and
+    the one-line verdict."""
+    report = verify_steps(store, steps)
+    print_verify_report(console, report, notes=False)
+    return report
 
 
 def _quiet_native_logs() -> None:

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from profiling.config import ProfileOptions
-from profiling.manifest import ClockSample
+from profiling.manifest import AutoStop, ClockSample
 from profiling.trace_budget import TraceCut
 
 
@@ -26,6 +26,11 @@ class RecordedTrace(ABC):
     does not measure it)."""
     cut: TraceCut | None = None
     """Set by an export that cut the trace to its budget (`max_trace_mb`)."""
+    weight_versions: list[int] | None = None
+    """The weight versions of the recorded engine steps, in order, for tools that count them
+    outside this process (None: the session's own count stands)."""
+    auto_stopped: AutoStop | None = None
+    """Set when the recording ended itself before its stop (a cap applied where it ran)."""
 
     @abstractmethod
     def export(self, out_dir: Path) -> list[Path]:

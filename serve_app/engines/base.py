@@ -14,7 +14,8 @@ The public methods own the state and its guards (docs/design.md#exact-attributio
 
 Engines (`transformers_engine.py`, `vllm_engine.py`, `sglang_engine.py`) supply only the hooks:
 `_open`, `_stream`, `_profiler`, `_pause`, `_resume`, `_read_weights`, `_load_weights`,
-`_healthy`, `_close`, and, where forward passes run in this process, `_engine_step`.
+`_healthy`, `_close`, and optionally `_opened`, `_pass_counts` and, where forward passes run in
+this process, `_engine_step`.
 """
 
 from __future__ import annotations
@@ -57,6 +58,13 @@ _ACK_WAIT_S = 0.5
 _ACK_GRACE_S = 0.02
 
 
+class PassCounts(BaseModel):
+    """An engine's forward passes by weight version: all it ran, and those recorded in a window."""
+
+    run: dict[int, int] = {}
+    recorded: dict[int, int] = {}
+
+
 class EngineStatus(BaseModel):
     state: SessionState
     active_step: int | None
@@ -65,7 +73,8 @@ class EngineStatus(BaseModel):
     forward_steps: int
     """Forward passes recorded in the active window."""
     forward_steps_by_version: dict[int, int]
-    """All forward passes this engine ran, by weight version (recorded or not)."""
+    """All forward passes this engine ran, by weight version (recorded or not); vLLM's as of
+    its last weight load."""
     requests_in_flight: int
     """Generation requests (one per choice) in the engine now."""
 
@@ -176,9 +185,17 @@ class RolloutEngine(HfTokenizerMixin, ABC, Generic[W]):
         there was nothing to do."""
         return False
 
-    def _forward_steps_by_version(self) -> dict[int, int]:
-        """All forward passes run, by weight version ({}: the engine does not say)."""
-        return {}
+    def _pass_counts(self) -> PassCounts | None:
+        """The forward passes run and recorded, by weight version (None: the engine does not
+        count them). Read right after a weight load, for the version it replaced."""
+        return None
+
+    async def _opened(self) -> None:
+        """Finish opening on the replica's event loop (after `_open`, before any request)."""
+
+    async def opened(self) -> None:
+        """Await once after construction, on the replica's event loop, before serving."""
+        await self._opened()
 
     # -- generation --------------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
@@ -280,6 +297,8 @@ class RolloutEngine(HfTokenizerMixin, ABC, Generic[W]):
                 if not self._held:
                     await self._pause_engine()
                     paused_here = True
+                replaced = self.weight_version
+                self._session.note_weight_load()
                 try:
                     await self._load_weights(weights, version)
                 except BaseException:
@@ -290,6 +309,7 @@ class RolloutEngine(HfTokenizerMixin, ABC, Generic[W]):
                             log.exception("resuming the engine after a failed weight load failed")
                     raise
                 self.weight_version = version
+                self._count_outside(replaced)
             if not resume:
                 # Hold for the /profile/start that follows, straight from the load's pause: not
                 # one engine step may run unprofiled on `version` in between.
@@ -299,6 +319,15 @@ class RolloutEngine(HfTokenizerMixin, ABC, Generic[W]):
             else:
                 await self._release()
         return time.perf_counter() - t0
+
+    def _count_outside(self, replaced: int) -> None:
+        """Record, in the entry of the window that recorded weights `replaced` alone, how many
+        forward passes on them ran outside it (docs/design.md#exact-attribution)."""
+        counts = self._pass_counts()
+        step = self._session.step_started_on(replaced)
+        if counts is not None and step is not None:
+            outside = counts.run.get(replaced, 0) - counts.recorded.get(replaced, 0)
+            self._session.annotate(step, forward_steps_outside=outside)
 
     async def wait_exported(self, step: int, timeout_s: float) -> ManifestEntry | None:
         """This replica's final entry for `step` once its export is done (None: none)."""
@@ -322,7 +351,7 @@ class RolloutEngine(HfTokenizerMixin, ABC, Generic[W]):
             weight_version=self.weight_version,
             paused=self.paused,
             forward_steps=self._session.forward_steps,
-            forward_steps_by_version=self._forward_steps_by_version(),
+            forward_steps_by_version=counts.run if (counts := self._pass_counts()) else {},
             requests_in_flight=self._requests.in_flight,
         )
 

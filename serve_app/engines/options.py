@@ -56,12 +56,10 @@ class TransformersOptions(EngineOptions):
 
 
 class VllmOptions(EngineOptions):
-    """`engine: vllm`: how each replica builds its `AsyncLLM` and vLLM's own profiler.
-
-    The profiler defaults keep stop short (stop is on the weight-sync critical path): vLLM's
-    own defaults (stack capture, gzip, the key_averages table) make its inline trace flush
-    many times longer. The moved trace is compressed off the critical path instead.
-    """
+    """`engine: vllm`: how each replica builds its `AsyncLLM`. With `tool: torch` the replica
+    profiles inside vLLM's workers with this project's own torch backend (a worker extension),
+    so every start may set its own profiler options; `tool: nsys` uses vLLM's CUDA profiler,
+    which is chosen when the engine is built."""
 
     engine = "vllm"
     implementation = "serve_app.engines.vllm_engine:VllmEngine"
@@ -75,24 +73,17 @@ class VllmOptions(EngineOptions):
     """No CUDA graphs: faster start, and every engine step shows in the trace."""
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
     """Share of the GPU's memory vLLM may take (weights + KV cache)."""
-    profiler_with_stack: bool = False
-    """vLLM's torch_profiler_with_stack, also on when a start asks for with_stack."""
-    profiler_use_gzip: bool = False
-    """vLLM's torch_profiler_use_gzip: vLLM compresses inside its stop (on the critical path)."""
-    profiler_dump_time_table: bool = False
-    """vLLM's torch_profiler_dump_cuda_time_total (a *.profiler_out.txt table)."""
-    profile_frontend: bool = False
-    """Also trace the AsyncLLM frontend (vLLM's ignore_frontend=false)."""
     engine_args: dict[str, Any] = Field(default_factory=dict)
-    """More AsyncEngineArgs fields, e.g. tensor_parallel_size, as vLLM names them."""
+    """More AsyncEngineArgs fields, e.g. tensor_parallel_size, as vLLM names them
+    (`worker_extension_cls` is the replica's own)."""
 
     @classmethod
     def profiler_problems(cls, options: ProfileOptions, built: ProfileOptions) -> list[str]:
         problems = super().profiler_problems(options, built)
-        if not problems and (options.tool != built.tool or sorted(options.activities) != sorted(built.activities)):
+        if not problems and options.tool == "nsys" and built.tool != "nsys":
             problems.append(
-                f"vLLM's profiler is built for tool {built.tool!r} with activities {built.activities}; "
-                "a start cannot change them: set args.profiler in the app config and redeploy"
+                f"vLLM's CUDA profiler (tool 'nsys') is chosen when the engine is built, and this one "
+                f"was built for tool {built.tool!r}: set args.profiler.tool: nsys in the app config and redeploy"
             )
         return problems
 

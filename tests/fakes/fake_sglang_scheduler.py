@@ -8,8 +8,12 @@ then `flush_cache`, whose failure is an assertion that kills the scheduler):
 
 * one scheduler thread runs every batch and every control request between batches, as SGLang's
   scheduler event loop does; torch.profiler starts, records and stops on that thread;
-* a batch is one decode step of every running request, inside a `run_batch` record_function
-  range (SGLang opens that range around a batch launch in its pipeline-parallel loop);
+* a batch is one forward, inside the range SGLang's model runner opens around every forward
+  (`step_span_name`: `step[EXTEND bs=<n> toks=<t>]` for the requests not yet prefilled (new, or
+  retracted), else `step[DECODE bs=<n>]` for every running request; `ModelRunner.forward` in
+  `sglang/srt/model_executor/model_runner.py`, `build_step_span_name` in
+  `sglang/srt/utils/profile_utils.py`); tests/unit/test_sglang_package.py checks the names
+  against the installed SGLang;
 * generation runs the real checkpoint at --model-path with transformers, on CPU, without a KV
   cache (each step re-reads the whole sequence);
 * pause modes: `abort` ends every request, `retract` sets running requests aside (they keep
@@ -25,7 +29,7 @@ then `flush_cache`, whose failure is an assertion that kills the scheduler):
 
 Not copied: batching across requests inside one forward, KV cache, radix cache, the stream's
 hold-back of a possible stop-string prefix, stop_regex, grammars, logit_bias, n > 1 and beams,
-tensor/pipeline parallelism (always TP-0), CUDA (GPU activity is recorded only where CUDA exists;
+tensor/pipeline parallelism (always TP-0), SGLang's `scheduler.*` stage ranges, CUDA (GPU activity is recorded only where CUDA exists;
 CUDA_PROFILER, MEM and RPD activities fail cleanly instead of crashing as they would on CPU).
 """
 
@@ -127,6 +131,20 @@ class SamplingParams:
             )
 
 
+def step_span_name(mode: str, batch_size: int, extend_tokens: int) -> str:
+    """The name of SGLang's range around one forward (`build_step_span_name` without detailed
+    annotations): `step[<MODE> bs=<n>]`, with ` toks=<t>` for an EXTEND batch."""
+    toks = f" toks={extend_tokens}" if mode == "EXTEND" else ""
+    return f"step[{mode} bs={batch_size}{toks}]"
+
+
+def trace_file_name(profile_prefix: str | None, profile_id: str, tp_rank: int = 0) -> str:
+    """The file SGLang's profiler manager exports one recording of one rank to (`_stop_profile`,
+    no DP/PP/EP, not by stage): `[{profile_prefix}-]{profile_id}-TP-{tp_rank}.trace.json.gz`."""
+    prefix = f"{profile_prefix}-" if profile_prefix else ""
+    return f"{prefix}{profile_id}-TP-{tp_rank}.trace.json.gz"
+
+
 @dataclass
 class Req:
     """One generation request inside the scheduler."""
@@ -150,6 +168,9 @@ class Req:
     version_events: list[tuple[str, int]] = field(default_factory=list)
     """(old version, output tokens then) at each weight-version change while in flight."""
     retractions: int = 0
+    prefilled: bool = False
+    """Its sequence so far has been through a forward (a retraction clears it: SGLang drops the
+    KV cache and prefills the request again)."""
     created: float = field(default_factory=time.time)
     generator: torch.Generator | None = None
 
@@ -241,8 +262,7 @@ class ProfilerManager:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         assert self.torch_profiler is not None
         self.torch_profiler.stop()
-        prefix = f"{self.prefix}-" if self.prefix else ""
-        path = self.output_dir / f"{prefix}{self.profile_id}-TP-0.trace.json.gz"
+        path = self.output_dir / trace_file_name(self.prefix, self.profile_id)
         self.torch_profiler.export_chrome_trace(str(path))
         log.info("Profiling done. Traces are saved to: %s", self.output_dir)
         self.torch_profiler = None
@@ -277,6 +297,8 @@ class Scheduler:
         self.eos = self.tokenizer.eos_token_id
         self.weight_version = "default"
         self.forward_ct = 0
+        self.forwards: list[tuple[str, bool]] = []
+        """Fake-only, for tests: (weight version, recorded by the profiler) of every forward."""
         self.profiler = ProfilerManager()
         self._cond = threading.Condition()
         self._controls: deque[tuple[Callable[[], Any], Future]] = deque()
@@ -323,6 +345,7 @@ class Scheduler:
         if mode == "retract":
             for req in [*self._running, *self._waiting]:
                 req.retractions += 1
+                req.prefilled = False
             self._retracted.extend([*self._running, *self._waiting])
             self._running.clear()
             self._waiting.clear()
@@ -432,10 +455,17 @@ class Scheduler:
                     time.sleep(self.step_delay_s)
 
     def _run_batch(self) -> None:
+        """One forward: SGLang prefills new requests in a batch of their own before decoding."""
         self.forward_ct += 1
         self.profiler.predicate(self.forward_ct)
-        with torch.profiler.record_function("run_batch"), torch.no_grad():
-            for req in list(self._running):
+        batch = [r for r in self._running if not r.prefilled]
+        mode = "EXTEND" if batch else "DECODE"
+        batch = batch or list(self._running)
+        extend_tokens = sum(len(r.input_ids) + len(r.output_ids) for r in batch)
+        self.forwards.append((self.weight_version, self.profiler.in_progress))
+        with torch.profiler.record_function(step_span_name(mode, len(batch), extend_tokens)), torch.no_grad():
+            for req in batch:
+                req.prefilled = True
                 self._decode_one(req)
 
     def _decode_one(self, req: Req) -> None:

@@ -30,6 +30,8 @@ from integ_util import (
 from ray import serve
 from safetensors.torch import save_file
 
+from profiling.step_ranges import sglang_trace_version
+
 pytestmark = pytest.mark.integration
 
 REPLICAS = 2
@@ -94,7 +96,8 @@ def spans(version: int, tokens: int) -> dict:
 
 def check_step_traces(app, http, step: int, version: int, replica_ids: set[str]) -> list[dict]:
     """The step's manifest is complete and lists, per replica, SGLang's trace named for the step,
-    under step_<k>/rollout/<replica_id>/, a gzip Chrome trace with one run_batch range per step."""
+    and its weight version, under step_<k>/rollout/<replica_id>/: a gzip Chrome trace with one
+    `step[..]` range (SGLang's, around each forward; no pipeline parallelism) per forward step."""
     manifest = wait_manifest(http, step, ("complete", "partial"))
     assert manifest["status"] == "complete", manifest
     entries = [e for e in manifest["entries"] if e["role"] == "rollout"]
@@ -106,10 +109,11 @@ def check_step_traces(app, http, step: int, version: int, replica_ids: set[str])
         assert len(e["files"]) == 1, e
         rel = Path(e["files"][0])
         assert rel.parent == Path("rollout") / e["replica_id"], rel
-        assert rel.name.startswith(f"step{step}-") and rel.name.endswith("-TP-0.trace.json.gz"), rel
+        assert rel.name.startswith(f"step{step}-v{version}-") and rel.name.endswith("-TP-0.trace.json.gz"), rel
+        assert sglang_trace_version(rel.name) == version, rel
         events = read_trace(step_dir / rel)["traceEvents"]
-        batches = [ev for ev in events if ev.get("name") == "run_batch" and ev.get("cat") == "user_annotation"]
-        assert len(batches) == e["forward_steps"] > 0, e
+        forwards = [ev for ev in events if ev.get("cat") == "user_annotation" and ev["name"].startswith("step[")]
+        assert len(forwards) == e["forward_steps"] > 0, e
     return entries
 
 
@@ -191,7 +195,7 @@ def test_sglang_engine_against_fake_server_num_steps_caps_the_recording(app, htt
     assert manifest["status"] == "complete" and manifest["tag"] == "capped", manifest
     for e in manifest["entries"]:
         assert e["status"] == "ok" and e["forward_steps"] == cap, e
-        assert Path(e["files"][0]).name.startswith(f"step{step}-capped-"), e
+        assert Path(e["files"][0]).name.startswith(f"step{step}-capped-v"), e
 
 
 def stream_completion(http, **body) -> tuple[list[dict], bool]:

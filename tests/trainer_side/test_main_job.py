@@ -35,13 +35,13 @@ class CliRun:
         return f"--- stdout tail ---\n{self.stdout[-6000:]}\n--- stderr tail ---\n{self.stderr[-3000:]}"
 
 
-def run_cli(tmp: Path, *overrides: str, retried: bool = False) -> CliRun:
+def run_cli(tmp: Path, *overrides: str, config: str = "config/trainer.yaml", retried: bool = False) -> CliRun:
     profile, weights = tmp / "profile", tmp / "weights"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
     cmd = [
         sys.executable, "-m", "trainer",
-        "--config", "config/trainer.yaml",
+        "--config", config,
         *overrides,
         f"global_profiler.save_path={profile}",
         f"trainer.weights_dir={weights}",
@@ -53,7 +53,7 @@ def run_cli(tmp: Path, *overrides: str, retried: bool = False) -> CliRun:
         pytest.fail(f"CLI ran past {CLI_TIMEOUT_S}s\n--- stdout tail ---\n{out[-6000:]}\n--- stderr tail ---\n{err[-3000:]}")
     run = CliRun(proc.returncode, proc.stdout, proc.stderr, profile)
     if run.returncode != 0 and RAY_STARTUP_TIMEOUT in proc.stderr and not retried:
-        return run_cli(tmp / "retry", *overrides, retried=True)
+        return run_cli(tmp / "retry", *overrides, config=config, retried=True)
     return run
 
 
@@ -212,3 +212,31 @@ def test_main_job_holds_are_recorded_and_hta_loads_the_step_as_ranks(main_job, k
         names = analyzer.t.get_trace(rank)["name"].map(lambda i: table[i])
         assert names.str.startswith("forward_step#").sum() > 0, f"step {k}: rank {rank} has no forward step"
 
+
+
+def test_main_job_verifies_clean_and_a_corrupted_marker_fails(main_job, tmp_path):
+    """The job verified itself (its verdict line); `python -m profiling verify` on its save_path
+    passes; a copy of step 1 with one rollout marker's version changed fails, naming it."""
+    import gzip
+    import json
+    import shutil
+
+    assert main_job.returncode == 0, main_job.log
+    assert "3 steps verified: 0 violations" in main_job.stdout, main_job.log
+    verify = [sys.executable, "-m", "profiling", "verify"]
+    ok = subprocess.run([*verify, str(main_job.profile)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "3 steps verified: 0 violations" in ok.stdout, ok.stdout
+
+    shutil.copytree(main_job.profile / "step_1", tmp_path / "step_1", ignore=shutil.ignore_patterns("ranks", "merged*"))
+    m = read_manifest(tmp_path, 1)
+    replica = by_role(m, "rollout")[0]
+    trace = tmp_path / "step_1" / replica["files"][0]
+    text = gzip.decompress(trace.read_bytes()).decode()
+    assert "step=1 weight_version=0" in text
+    trace.write_bytes(gzip.compress(text.replace("step=1 weight_version=0", "step=1 weight_version=7", 1).encode()))
+    bad = subprocess.run([*verify, str(tmp_path), "--json"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    [violation] = json.loads(bad.stdout)["violations"]
+    assert violation["entry"] == f"rollout/{replica['replica_id']}" and violation["check"] == "versions", violation
+    assert "weight_version=7" in violation["message"], violation

@@ -27,6 +27,7 @@ from safetensors.torch import load_file, save_file
 from profiling.config import NpuOptions, ProfileOptions
 from profiling.manifest import ManifestEntry
 from profiling.session import ProfileSession, SessionSpec
+from profiling.step_ranges import sglang_trace_version
 from profiling.store import TraceStore
 from serve_app.config import AppArgs
 from serve_app.engines.generation import GenerateDelta, GenerateRequest, SamplingSpec, SpanBuilder
@@ -50,7 +51,8 @@ from serve_app.net import free_port
 from serve_app.weights import WeightsError
 
 RID = "replica-0"
-TRACE_NAME = re.compile(r"^step(\d+)(-[A-Za-z0-9._-]+)?-[0-9.]+-TP-0\.trace\.json\.gz$")
+# `step<k>[-tag]-v<version>-<SGLang's profile_id: its clock>-TP-0.trace.json.gz`
+TRACE_NAME = re.compile(r"^step(\d+)(-[A-Za-z0-9._-]+)?-v(\d+)-[0-9.]+-TP-0\.trace\.json\.gz$")
 
 
 # -- fixtures --------------------------------------------------------------------------------
@@ -117,7 +119,9 @@ async def open_engine(url: str, model_dir: Path, tmp_path: Path) -> AsyncIterato
 
 def profiler(engine: SglangEngine, spec: SessionSpec) -> SglangProfiler:
     """A recording of the engine's profiler, driven by hand (the session drives it otherwise)."""
-    return SglangProfiler(spec, client=engine._client, trace_dir=engine.trace_dir, loop=asyncio.get_running_loop())
+    return SglangProfiler(
+        spec, client=engine._client, trace_dir=engine.trace_dir, loop=asyncio.get_running_loop(), version=0
+    )
 
 
 def req(prompt: list[int] | None = None, stream: bool = False, **sampling) -> GenerateRequest:
@@ -154,10 +158,16 @@ async def generate(engine: SglangEngine, request: GenerateRequest) -> Result:
     return Result([d async for d in engine.generate(request)])
 
 
-def run_batch_ranges(path: Path) -> int:
+def forward_ranges(path: Path) -> list[str]:
+    """The names of SGLang's per-forward ranges (`step[<MODE> bs=..]`) in one trace file."""
     with gzip.open(path, "rt") as f:
         events = json.load(f)["traceEvents"]
-    return sum(1 for e in events if e.get("name") == "run_batch" and e.get("cat") == "user_annotation")
+    return [e["name"] for e in events if e.get("cat") == "user_annotation" and e["name"].startswith("step[")]
+
+
+def recorded_forwards(scheduler: Scheduler, version: str) -> int:
+    """Forwards the fake ran on `version` while its profiler recorded."""
+    return sum(1 for v, recorded in scheduler.forwards if recorded and v == version)
 
 
 def perturbed_weights(model_dir: Path, out: Path, seed: int) -> Path:
@@ -170,7 +180,9 @@ def perturbed_weights(model_dir: Path, out: Path, seed: int) -> Path:
 # -- the adapter against the fake server ------------------------------------------------------
 
 
-async def test_sglang_engine_against_fake_server_records_a_step_into_its_prefixed_trace(engine: SglangEngine, spec):
+async def test_sglang_engine_against_fake_server_records_a_step_into_its_prefixed_trace(
+    engine: SglangEngine, fake: tuple[str, Scheduler], spec
+):
     assert await engine.start_profile(spec(3, max_forward_steps=None))
     results = [await generate(engine, greedy(4)), await generate(engine, greedy(3))]
     outcome = await engine.stop_profile(3, pause=False)
@@ -180,10 +192,15 @@ async def test_sglang_engine_against_fake_server_records_a_step_into_its_prefixe
     step_dir = Path(engine.trace_dir).parents[1] / "step_3"
     assert len(entry.files) == 1 and entry.files[0].startswith(f"rollout/{RID}/")
     path = step_dir / entry.files[0]
-    assert TRACE_NAME.match(path.name) and TRACE_NAME.match(path.name).group(1) == "3", path.name
-    # One run_batch range per engine step: one step per token of these one-at-a-time requests.
+    named = TRACE_NAME.match(path.name)
+    assert named and named.group(1, 3) == ("3", "0") and sglang_trace_version(path.name) == 0, path.name
+    # One `step[..]` range per forward, without pipeline parallelism: a prefill (EXTEND) then one
+    # DECODE per further token of these one-at-a-time requests; all the forwards the fake ran.
     tokens = sum(len(r.token_ids) for r in results)
-    assert entry.forward_steps == run_batch_ranges(path) == tokens > 0
+    ranges = forward_ranges(path)
+    assert entry.forward_steps == len(ranges) == recorded_forwards(fake[1], "default") == tokens > 0
+    assert ranges[0] == "step[EXTEND bs=1 toks=4]" and ranges[1] == "step[DECODE bs=1]", ranges
+    assert entry.weight_version == 0
     assert not list(engine.trace_dir.iterdir()), "the export leaves the engine's directory empty"
     for r in results:
         assert r.spans == [(0, 0, len(r.token_ids))] and r.finish_reason in ("stop", "length")
@@ -197,7 +214,47 @@ async def test_sglang_engine_against_fake_server_num_steps_cap_then_stop_is_a_cl
     entry = await engine.wait_exported(4, 30)
     assert outcome.stopped and entry is not None and entry.status == "ok", entry
     assert entry.forward_steps == 2
-    assert Path(entry.files[0]).name.startswith("step4-capped-")
+    assert Path(entry.files[0]).name.startswith("step4-capped-v0-")
+
+
+async def test_sglang_engine_against_fake_server_window_across_an_update_has_one_trace_per_version(
+    engine: SglangEngine, fake: tuple[str, Scheduler], model_dir: Path, tmp_path: Path, spec
+):
+    """A continuous window: the load ends SGLang's recording of version 0 and starts one of
+    version 1, with generation paused, so every forward in a file ran on the version it names."""
+    assert await engine.start_profile(spec(1, steps=[1, 2], max_forward_steps=None))
+    before = await generate(engine, greedy(3))
+    await engine.update_weights(1, str(perturbed_weights(model_dir, tmp_path / "v1.safetensors", 1)), resume=True)
+    after = await generate(engine, greedy(4))
+    await engine.stop_profile(1, pause=True)
+    entry = await engine.wait_exported(1, 30)
+    assert entry is not None and entry.status == "ok", entry
+    paths = [Path(engine.trace_dir).parents[1] / "step_1" / f for f in entry.files]
+    assert [sglang_trace_version(p.name) for p in paths] == [0, 1], paths
+    counts = [len(forward_ranges(p)) for p in paths]
+    assert counts == [recorded_forwards(fake[1], "default"), recorded_forwards(fake[1], "1")]
+    assert counts == [len(before.token_ids), len(after.token_ids)]
+    assert entry.forward_steps == sum(counts) and not fake[1].profiler.in_progress
+    assert before.spans == [(0, 0, 3)] and after.spans == [(1, 0, 4)]
+
+
+async def test_sglang_engine_against_fake_server_failed_load_in_a_window_keeps_recording_the_old_version(
+    engine: SglangEngine, fake: tuple[str, Scheduler], tmp_path: Path, spec
+):
+    assert await engine.start_profile(spec(1, steps=[1, 2], max_forward_steps=None))
+    first = await generate(engine, greedy(2))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(WeightsError, match="Cannot find any model weights"):
+        await engine._load_weights(empty, 1)
+    assert fake[1].profiler.in_progress, "the recording restarts after a failed load"
+    second = await generate(engine, greedy(3))
+    await engine.stop_profile(1, pause=False)
+    entry = await engine.wait_exported(1, 30)
+    assert entry is not None and entry.status == "ok", entry
+    names = [Path(f).name for f in entry.files]
+    assert [sglang_trace_version(n) for n in names] == [0, 0], names
+    assert entry.forward_steps == len(first.token_ids) + len(second.token_ids) == recorded_forwards(fake[1], "default")
 
 
 async def test_sglang_engine_against_fake_server_refused_profiler_calls_name_url_route_and_status(
