@@ -6,7 +6,8 @@ plugs that into `ProfileSession` (the same state machine, guards, caps and manif
 the in-process profilers): its start and stop run the engine's async profiler calls on the
 replica's event loop from the engine's control thread, and its export moves the files the engine
 wrote for that recording into `step_<k>/rollout/<replica_id>/`, compressing them there, off the
-critical path. Subclasses fill `_engine_start` and `_engine_stop`.
+critical path. Subclasses fill `_engine_start` and `_engine_stop`, and `_recorded` where the
+recording is not just the files the engine wrote with the prefix.
 """
 
 from __future__ import annotations
@@ -106,9 +107,13 @@ class EngineProfiler(ProfilerBackend):
     def _start(self) -> None:
         self._on_loop(self._engine_start())
 
+    def _recorded(self) -> RecordedTrace:
+        """The recording just stopped: by default the files the engine wrote with `prefix`."""
+        return EngineTrace(self.recorded_files(), self.step_range)
+
     def _stop(self) -> RecordedTrace:
         self._on_loop(self._engine_stop())
-        return EngineTrace(self.recorded_files(), self.step_range)
+        return self._recorded()
 
     def _on_loop(self, coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(ENGINE_CALL_TIMEOUT_S)

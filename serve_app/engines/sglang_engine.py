@@ -194,8 +194,7 @@ class SglangProfiler(EngineProfiler):
         if self.options.tool == "nsys":
             self._write_nsys_note()
 
-    def _stop(self) -> SglangTrace:
-        self._on_loop(self._engine_stop())
+    def _recorded(self) -> SglangTrace:
         return SglangTrace(self.recorded_files())
 
     async def _auto_stopped(self) -> bool:

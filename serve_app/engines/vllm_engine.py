@@ -198,6 +198,7 @@ class VllmWorkerProfiler(EngineProfiler):
         self._llm = llm
         self._ranks = 0
         self._start_clock: ClockSample | None = None
+        self._stopped: WorkerStop | None = None
 
     async def _engine_start(self) -> None:
         samples = await self._llm.collective_rpc(
@@ -213,7 +214,8 @@ class VllmWorkerProfiler(EngineProfiler):
         self._start_clock = ClockSample.model_validate(samples[0]) if samples[0] else None
 
     async def _engine_stop(self) -> None:
-        raise AssertionError("_stop asks the workers itself")
+        (stopped, *_) = await self._llm.collective_rpc("rollout_profiler_stop")
+        self._stopped = WorkerStop.model_validate(stopped)
 
     def sample_clock(self, at: str) -> ClockSample | None:
         """The sample the workers' rank 0 took in its trace (its trace is the entry's clock)."""
@@ -222,9 +224,9 @@ class VllmWorkerProfiler(EngineProfiler):
         (sample, *_) = self._on_loop(self._llm.collective_rpc("rollout_profiler_clock", args=(at,)))
         return ClockSample.model_validate(sample) if sample else None
 
-    def _stop(self) -> RecordedTrace:
-        (stopped, *_) = self._on_loop(self._llm.collective_rpc("rollout_profiler_stop"))
-        return WorkerTrace(self.trace_dir, self.prefix, self._ranks, WorkerStop.model_validate(stopped))
+    def _recorded(self) -> RecordedTrace:
+        assert self._stopped is not None, "_engine_stop ran"
+        return WorkerTrace(self.trace_dir, self.prefix, self._ranks, self._stopped)
 
 
 class VllmCudaProfiler(EngineProfiler):
@@ -244,8 +246,7 @@ class VllmCudaProfiler(EngineProfiler):
     async def _engine_stop(self) -> None:
         await self._llm.stop_profile()
 
-    def _stop(self) -> RecordedTrace:
-        self._on_loop(self._engine_stop())
+    def _recorded(self) -> RecordedTrace:
         return NsysCapture(self._started_at, time.time(), ranges=0)
 
 

@@ -479,3 +479,20 @@ def test_an_annotation_that_arrives_just_as_the_export_writes_is_not_lost(store,
     assert annotated == [6]
     [entry] = store.read_entries(6)
     assert entry.node_id == "late" and not entry.exporting
+
+
+def test_the_window_that_recorded_a_version_alone_is_found_for_its_outside_count(store, exporter, model):
+    """`step_started_on(v)`: the closed window that started on weights v with no weight load
+    inside it, which `forward_steps_outside` is counted into; recorded passes counted by version."""
+    session = make_session(store, exporter)
+    opts = ProfileOptions(max_forward_steps=None)
+    session.start(SessionSpec(step=2, steps=[2], options=opts), weight_version=1)
+    assert session.step_started_on(1) is None, "still recording: more passes may come"
+    run_steps(session, model, 3, weight_version=1)
+    session.stop(2)
+    assert session.step_started_on(1) == 2 and session.recorded_by_version() == {1: 3}
+    session.start(SessionSpec(step=3, steps=[3, 4], options=opts), weight_version=2)
+    session.note_weight_load()  # a weight load inside the window: it records two versions
+    session.stop(3)
+    assert session.step_started_on(2) is None and session.step_started_on(7) is None
+    session.wait_exported(3, WAIT)
