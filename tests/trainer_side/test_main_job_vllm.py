@@ -36,14 +36,18 @@ def test_the_main_job_on_vllm_completes_verified_and_merged(vllm_job):
 def test_each_vllm_iteration_is_one_range_on_weights_k_minus_1(vllm_job, k):
     """Per replica: as many `forward_step` ranges as the entry's count, numbered in order, all
     step k on weights k-1; none of the passes on weights k-1 ran outside the window (the stop
-    paused); the completions served in the window were sampled by k-1 (or k-2, before the sync),
-    as vLLM's per-token versions say."""
+    paused); the completions that finished in the window were sampled by k-1 (or, begun before
+    the sync, partly by k-2), as vLLM's per-token versions say. A replica may finish none in a
+    short window (its sequences, held across the sync, finish in the next one)."""
     assert vllm_job.returncode == 0, vllm_job.log
     m = read_manifest(vllm_job.profile, k)
+    served: set[int] = set()
     for e in by_role(m, "rollout"):
         markers = entry_markers(vllm_job.profile / f"step_{k}", e)
-        assert sorted(i for i, _, _ in markers) == list(range(e["forward_steps"])) and markers, e
-        assert {(s, v) for _, s, v in markers} == {(k, k - 1)}, e
+        assert sorted(i for i, _, _ in markers) == list(range(e["forward_steps"])), e
+        assert {(s, v) for _, s, v in markers} <= {(k, k - 1)}, e
         assert e["forward_steps_outside"] == 0 and e["sync_held_s"] is not None, e
         versions = {int(v) for v in e["requests"]["weight_versions"]}
-        assert k - 1 in versions and versions <= {k - 2, k - 1}, e["requests"]
+        assert versions <= {k - 2, k - 1}, e["requests"]
+        served |= versions
+    assert sum(e["forward_steps"] for e in by_role(m, "rollout")) > 0 and k - 1 in served, m["entries"]
