@@ -13,8 +13,8 @@
     verify DIR [--step K]              check attribution: manifests, files, markers, clocks
 
 Exit codes: 0 done; 1 the operation failed (a merge failed, the app refused the call, a
-replica did not carry it out, or verify found a violation); 2 bad usage (unknown option, no such directory or step);
-3 the app could not be reached. `--json` prints machine-readable output on stdout; messages
+replica did not carry it out, or verify found a violation); 2 bad usage (unknown option, no such
+directory or step); 3 the app could not be reached. `--json` prints machine-readable output on stdout; messages
 and progress bars go to stderr.
 """
 

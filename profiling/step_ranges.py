@@ -8,9 +8,11 @@ import re
 from pathlib import Path
 
 FORWARD_STEP = "forward_step#"
-"""Ours (the embedded engine): `forward_step#<i> step=<k> weight_version=<v>`."""
+"""Ours (the embedded engine, vLLM's workers through the extension, the trainer):
+`forward_step#<i> step=<k> weight_version=<v>`."""
 VLLM_ITERATION = "execute_context_"
-"""vLLM's worker: `execute_context_<n>(<tokens>)_generation_<m>(<tokens>)`, one per iteration."""
+"""vLLM's own profiler in its worker: `execute_context_<n>(<tokens>)_generation_<m>(<tokens>)`,
+one per iteration (traces recorded with vLLM's profiler, read by the analysis)."""
 SGLANG_BATCH = "run_batch"
 """SGLang's scheduler: `run_batch` (opened in its pipeline-parallel loop only)."""
 SGLANG_FORWARD = "step["

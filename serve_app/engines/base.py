@@ -309,7 +309,7 @@ class RolloutEngine(HfTokenizerMixin, ABC, Generic[W]):
                             log.exception("resuming the engine after a failed weight load failed")
                     raise
                 self.weight_version = version
-                self._count_outside(replaced)
+                await self._count_outside(replaced)
             if not resume:
                 # Hold for the /profile/start that follows, straight from the load's pause: not
                 # one engine step may run unprofiled on `version` in between.
@@ -320,14 +320,15 @@ class RolloutEngine(HfTokenizerMixin, ABC, Generic[W]):
                 await self._release()
         return time.perf_counter() - t0
 
-    def _count_outside(self, replaced: int) -> None:
+    async def _count_outside(self, replaced: int) -> None:
         """Record, in the entry of the window that recorded weights `replaced` alone, how many
         forward passes on them ran outside it (docs/design.md#exact-attribution)."""
         counts = self._pass_counts()
         step = self._session.step_started_on(replaced)
         if counts is not None and step is not None:
             outside = counts.run.get(replaced, 0) - counts.recorded.get(replaced, 0)
-            self._session.annotate(step, forward_steps_outside=outside)
+            # The entry is rewritten on disk: off the event loop.
+            await asyncio.to_thread(self._session.annotate, step, forward_steps_outside=outside)
 
     async def wait_exported(self, step: int, timeout_s: float) -> ManifestEntry | None:
         """This replica's final entry for `step` once its export is done (None: none)."""

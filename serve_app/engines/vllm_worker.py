@@ -71,6 +71,7 @@ def export_record(trace_dir: Path, prefix: str, rank: int) -> Path:
 
 
 def trace_name(prefix: str, rank: int) -> str:
+    """The name of worker `rank`'s trace of recording `prefix` in the engine trace directory."""
     return f"{prefix}.rank{rank}.{TRACE_FILE}"
 
 
