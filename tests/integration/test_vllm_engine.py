@@ -296,6 +296,7 @@ async def test_the_workers_mark_each_engine_iteration_with_step_and_version(engi
     iteration, carrying the step and the weights it ran on, as many as the entry counts; the
     passes on a version outside its window are counted when the next version loads: none when
     the stop paused, every one when generation went on after it."""
+
     def weights(seed: int) -> str:
         return str(write_perturbed_weights(model_dir, tmp_path / f"{seed}.safetensors", seed=seed))
 
@@ -450,6 +451,45 @@ def test_vllm_records_with_each_starts_own_profiler_options(vllm_app, http):
     assert r.status_code == 422, r.text
     assert "redeploy" in r.text
     assert status(http)["active_step"] is None
+
+
+def test_vllm_continuous_window_marks_the_weight_load_between_the_versions(vllm_app, model_dir, http):
+    """A window over steps [20, 21] with a weight update inside it: each worker's trace shows the
+    passes on the old version, the `weight_update` range, then passes on the new one, and the
+    entry lists both versions; the step is verified by the project's verifier."""
+    from profiling.analysis.verify import verify_step
+    from profiling.store import TraceStore
+
+    # Step 20 is generation on weights 19: load them first, held for the start.
+    served = 19
+    first = write_perturbed_weights(model_dir, vllm_app.weights_dir / "v19.safetensors", seed=4)
+    ok(http.post("/weights/update", json={"version": served, "path": str(first), "resume": False}))
+    weights = write_perturbed_weights(model_dir, vllm_app.weights_dir / "v20.safetensors", seed=5)
+    try:
+        ok(http.post("/profile/start", json={"step": 20, "steps": [20, 21]}))
+        complete_concurrently(http, n=4, max_tokens=8)
+        ok(http.post("/weights/update", json={"version": served + 1, "path": str(weights)}))
+        complete_concurrently(http, n=4, max_tokens=8)
+        ok(http.post("/profile/stop", json={"step": 20}))
+    finally:
+        stop_if_active(http)
+    manifest = wait_manifest(http, 20, ("complete", "partial"), timeout=120.0)
+    assert manifest["status"] == "complete", manifest
+    for e in (e for e in manifest["entries"] if e["role"] == "rollout"):
+        events = _trace(vllm_app.save_path / "step_20" / e["files"][0])["traceEvents"]
+        names = [n for _, n in sorted((ev["ts"], ev["name"]) for ev in events if ev.get("cat") == "user_annotation")]
+        # In time order: each forward pass's version, and the load as "update".
+        seq = [
+            int(m[3]) if (m := MARKER.match(n)) else "update"
+            for n in names
+            if MARKER.match(n) or n == f"weight_update version={served + 1}"
+        ]
+        load = seq.index("update")
+        assert set(seq[:load]) <= {served} and set(seq[load + 1 :]) <= {served + 1} and len(seq) > 1, seq
+        assert e["weight_versions"] == [served, served + 1] or e["weight_versions"] == [served], e
+        assert e["forward_steps_outside"] is None, "a window over two versions is not counted"
+    report = verify_step(TraceStore(vllm_app.save_path), 20)
+    assert report.ok, report.violations
 
 
 def test_vllm_refuses_hostile_inputs_while_a_step_records(vllm_app, model_dir, http):
