@@ -1,4 +1,4 @@
-"""The CUDA profiling check without Ray or vLLM: part 2 of tools/gpu_check.sh.
+"""The CUDA profiling check without Ray or vLLM: part 1 of tools/gpu_check.sh.
 
 `python -m tools.gpu_profile_check run --out DIR [--device cuda|cpu]` drives this project's own
 profiling library in one process, as a rollout replica and a trainer rank would, on the tiny Llama
