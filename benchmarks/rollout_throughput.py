@@ -369,22 +369,28 @@ def main(
     console.print(f"(working directory {work}, the reference server's log in it)")
 
 
+def rounds_table(title: str, what: str, run: str, rows: list[tuple[str, list[float], str]]) -> Table:
+    """One row per thing measured (`label`, its value in each run, `fmt`), a column per run
+    (`run` + 1, 2, ...) and the median: how every side-by-side benchmark here prints its runs."""
+    table = Table(title=title)
+    table.add_column(what)
+    for i in range(max(len(values) for _, values, _ in rows)):
+        table.add_column(f"{run}{i + 1}", justify="right")
+    table.add_column("median", justify="right")
+    for label, values, fmt in rows:
+        table.add_row(label, *(format(v, fmt) for v in values), format(statistics.median(values), fmt))
+    return table
+
+
 def _print(
     results: dict[str, list[Run]], ref: str, load: Load, seconds: float, rows: list[tuple[str, str, str, str]]
 ) -> None:
-    table = Table(
-        title=f"Output tokens/s, {load.clients} clients x {load.prompts} prompts x {load.max_tokens} tokens, "
+    title = (
+        f"Output tokens/s, {load.clients} clients x {load.prompts} prompts x {load.max_tokens} tokens, "
         f"{len(results[APP])} runs of {seconds:.0f} s each"
     )
-    table.add_column("server")
-    for i in range(len(results[APP])):
-        table.add_column(f"run {i + 1}", justify="right")
-    table.add_column("median", justify="right")
-    for side, rs in results.items():
-        table.add_row(
-            side, *(f"{r.tokens_per_s:.0f}" for r in rs), f"{statistics.median(r.tokens_per_s for r in rs):.0f}"
-        )
-    console.print(table)
+    runs = [(side, [r.tokens_per_s for r in rs], ".0f") for side, rs in results.items()]
+    console.print(rounds_table(title, "server", "run ", runs))
     ratio = statistics.median(r.tokens_per_s for r in results[APP]) / statistics.median(
         r.tokens_per_s for r in results[ref]
     )

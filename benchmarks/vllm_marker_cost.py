@@ -46,14 +46,13 @@ from typing import TYPE_CHECKING
 import typer
 from pydantic import BaseModel
 from rich.console import Console
-from rich.table import Table
+from rollout_throughput import VLLM_ENV, rounds_table
 
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
 
 console = Console()
 HERE = Path(__file__).resolve().parent
-VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "HF_HUB_OFFLINE": "1"}
 MODES = ("window", "plain", "counting", "bare")
 RATIOS = (("window", "plain"), ("counting", "bare"))
 OPTIONS = {"activities": ["cpu"], "max_forward_steps": None, "max_duration_s": None, "max_trace_mb": None}
@@ -207,20 +206,13 @@ async def _main(rounds: int, seconds: float, clients: int, max_tokens: int) -> t
 
 def _print(results: dict[str, list[Round]], probe: Probe, clients: int, max_tokens: int, seconds: float) -> None:
     n = len(results[MODES[0]])
-    table = Table(
-        title=f"Output tokens/s, {clients} requests in flight x {max_tokens} tokens, {n} rounds of {seconds:.0f} s"
-    )
-    table.add_column("mode")
-    for i in range(n):
-        table.add_column(f"round {i + 1}", justify="right")
-    table.add_column("median", justify="right")
-    for mode, rs in results.items():
-        tps = [r.tokens_per_s for r in rs]
-        table.add_row(mode, *(f"{t:.0f}" for t in tps), f"{statistics.median(tps):.0f}")
-    for a, b in RATIOS:
-        per_round = [x.tokens_per_s / y.tokens_per_s for x, y in zip(results[a], results[b], strict=True)]
-        table.add_row(f"{a} / {b}", *(f"{q:.3f}" for q in per_round), f"{statistics.median(per_round):.3f}")
-    console.print(table)
+    title = f"Output tokens/s, {clients} requests in flight x {max_tokens} tokens, {n} rounds of {seconds:.0f} s"
+    rows = [(mode, [r.tokens_per_s for r in rs], ".0f") for mode, rs in results.items()]
+    rows += [
+        (f"{a} / {b}", [x.tokens_per_s / y.tokens_per_s for x, y in zip(results[a], results[b], strict=True)], ".3f")
+        for a, b in RATIOS
+    ]
+    console.print(rounds_table(title, "mode", "round ", rows))
     for a, b in RATIOS:
         med = statistics.median(r.tokens_per_s for r in results[a]) / statistics.median(
             r.tokens_per_s for r in results[b]

@@ -41,8 +41,7 @@ import httpx
 import typer
 import yaml
 from rich.console import Console
-from rich.table import Table
-from rollout_throughput import VLLM_ENV, Load, _wait_ready, ray_serve_llm_command, reference_server
+from rollout_throughput import VLLM_ENV, Load, _wait_ready, ray_serve_llm_command, reference_server, rounds_table
 
 from serve_app.app import parse_args
 from serve_app.net import free_port
@@ -230,18 +229,11 @@ def _print(
     vllm_defaults: bool,
 ) -> None:
     n = len(times["rsllm_stop"])
-    table = Table(
-        title=f"Seconds, {replicas} replica(s) each, windows of {requests} requests x {max_tokens} tokens, {n} rounds"
-    )
-    table.add_column("call")
-    for i in range(n):
-        table.add_column(f"r{i + 1}", justify="right")
-    table.add_column("median", justify="right")
-    for key, label in MEASURES.items():
-        table.add_row(label, *(f"{t:.3f}" for t in times[key]), f"{statistics.median(times[key]):.3f}")
+    title = f"Seconds, {replicas} replica(s) each, windows of {requests} requests x {max_tokens} tokens, {n} rounds"
+    rows = [(label, times[key], ".3f") for key, label in MEASURES.items()]
     ratios = [a / b for a, b in zip(times["app_sync"], times["rsllm_stop"], strict=True)]
-    table.add_row("app stop+start / RSLLM stop", *(f"{q:.2f}" for q in ratios), f"{statistics.median(ratios):.2f}")
-    console.print(table)
+    rows.append(("app stop+start / RSLLM stop", ratios, ".2f"))
+    console.print(rounds_table(title, "call", "r", rows))
     ratio = statistics.median(times["app_sync"]) / statistics.median(times["rsllm_stop"])
     console.print(
         f"{APP} stop (pause) + start / {RSLLM} stop_profile (medians): [bold]{ratio:.2f}x[/bold] (goal <= 0.5); "

@@ -27,7 +27,6 @@ extension whose attribute names clash with the worker's.
 from __future__ import annotations
 
 import shutil
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -38,6 +37,7 @@ from pydantic import BaseModel
 from profiling.backends.torch_profiler import TRACE_FILE, TorchProfilerBackend, quiet_kineto_env
 from profiling.config import ProfileOptions
 from profiling.manifest import AutoStop, ClockSample
+from profiling.store import atomic_write_text
 from profiling.trace_budget import TraceCut
 
 EXTENSION = f"{__name__}.ProfilingWorkerExtension"
@@ -181,10 +181,7 @@ class WorkerProfiler:
             record.error = f"the vLLM worker's trace export failed: {e!r}"
         finally:
             shutil.rmtree(out, ignore_errors=True)
-        target = export_record(window.trace_dir, window.prefix, window.rank)
-        tmp = target.with_name(f".{target.name}.tmp")
-        tmp.write_text(record.model_dump_json())
-        tmp.replace(target)
+        atomic_write_text(export_record(window.trace_dir, window.prefix, window.rank), record.model_dump_json())
 
 
 class ProfilingWorkerExtension:
@@ -223,11 +220,6 @@ class ProfilingWorkerExtension:
         range while recording). Returns the forward passes run and recorded so far, by version
         (as lists of pairs: plain data for vLLM's serializer)."""
         worker: Any = self
-        t0 = time.perf_counter()
         self.rollout_profiler.load_weights(version, lambda: worker.reload_weights(weights_path=weights_path))
         profiler = self.rollout_profiler
-        return {
-            "load_s": time.perf_counter() - t0,
-            "passes": sorted(profiler.passes.items()),
-            "recorded": sorted(profiler.recorded.items()),
-        }
+        return {"passes": sorted(profiler.passes.items()), "recorded": sorted(profiler.recorded.items())}
