@@ -20,18 +20,43 @@ AutoStop = Literal["max_forward_steps", "max_duration_s", "max_trace_mb"]
 """Why a window stopped recording before its stop."""
 
 
+Transfer = Literal["file", "object_store", "collective", "external"]
+"""How a sync's weights reached the replicas (docs/trainer.md#several-ranks lists the modes):
+file: a safetensors path through POST /weights/update; object_store: a state dict through Ray's
+object store (InClusterWeights); collective: a state dict broadcast to the replicas over a
+process group (CollectiveWeights); external: the trainer's own transfer (`update=`), the app
+told the version afterwards."""
+
+
 class SyncCost(BaseModel):
     """Critical-path seconds of the weight sync that ended a profiled step."""
 
     stop_s: float | None = None
+    """The profiling stop (with `pause`) before the update (None: nothing to stop)."""
     update_s: float | None = None
+    """The whole update, from its call to its answer (the transfer and the replicas' load
+    included)."""
     start_s: float | None = None
+    """The profiling start after the update (None: nothing to start)."""
     began_at: float | None = None
     """Unix seconds when the sync's first control call was sent; the calls then ran back to back
     (stop, update_weights, start), so the durations place each of them on the timeline."""
+    transfer: Transfer | None = None
+    """How the weights travelled (None: recorded before the modes were told apart)."""
+    publish_s: float | None = None
+    """The trainer's publish before the sync's calls: writing the file, or gathering the state
+    dict (every rank's gather included). Off the rollout's critical path: replicas still generate
+    meanwhile; not part of `total_s`."""
+    transfer_s: float | None = None
+    """Moving the bytes, within `update_s`: the app's answer (`transfer_s`, the slowest replica's
+    fetch or receive), or for `external` the trainer's own update function (None: not reported)."""
+    load_s: float | None = None
+    """The slowest replica's load of the new weights into its engine, within `update_s` (the app's
+    answer; None: not reported)."""
 
     @property
     def total_s(self) -> float:
+        """The sync's critical path: stop + update + start."""
         return sum(x for x in (self.stop_s, self.update_s, self.start_s) if x is not None)
 
 
@@ -167,6 +192,23 @@ class SessionRecord(BaseModel):
     )
 
 
+class TrainerRecord(BaseModel):
+    """`step_<k>/trainer/ranks.record`: the trainer ranks a window selected, and those that died.
+
+    The driving rank writes `ranks` when it starts the window; whoever sees a rank die (the main
+    job's launcher) adds it to `failures`. A selected rank without a finished entry keeps the
+    manifest `exporting`, until it writes one or its failure is recorded (then `partial`)."""
+
+    ranks: list[int] = Field(default_factory=list)
+    """The ranks that record the window (`profiler.ranks`, or all with `profiler.all_ranks`)."""
+    world_size: int | None = None
+    """Trainer ranks in the job (None: not known to the writer)."""
+    driver_rank: int | None = None
+    """The rank that drives the app (its profiling and weight calls)."""
+    failures: dict[int, str] = Field(default_factory=dict)
+    """rank -> why it has no (complete) trace: it died, naming how."""
+
+
 class ProcessAlignment(BaseModel):
     """How one trace file's timestamps were mapped to wall-clock time in the merged timeline."""
 
@@ -231,9 +273,18 @@ class StepManifest(BaseModel):
     """The last merge into `merged.trace.json.gz` (None: never merged)."""
 
     @classmethod
-    def assemble(cls, step: int, session: SessionRecord | None, entries: list[ManifestEntry]) -> StepManifest:
-        """Derive the manifest from the controller's record and the producers' entries."""
+    def assemble(
+        cls,
+        step: int,
+        session: SessionRecord | None,
+        entries: list[ManifestEntry],
+        trainer: TrainerRecord | None = None,
+    ) -> StepManifest:
+        """Derive the manifest from the controller's record, the trainer's ranks record and the
+        producers' entries."""
         by_key = {e.key: e for e in entries}
+        if trainer is not None:
+            _account_trainer_ranks(by_key, trainer)
         if session is not None:
             for rid, why in session.failures.items():
                 known = by_key.get(f"rollout/{rid}")
@@ -270,3 +321,17 @@ class StepManifest(BaseModel):
             sync=sync,
             entries=merged,
         )
+
+
+def _account_trainer_ranks(by_key: dict[str, ManifestEntry], trainer: TrainerRecord) -> None:
+    """A rank that died without a finished entry is an error naming it; a selected rank that has
+    written nothing yet is awaited (exporting), so the step does not look complete without it."""
+    for rank in sorted({*trainer.ranks, *trainer.failures}):
+        key = f"trainer/rank_{rank}"
+        known = by_key.get(key)
+        why = trainer.failures.get(rank)
+        if why is not None and (known is None or known.exporting):
+            base = known or ManifestEntry(role="trainer", rank=rank)
+            by_key[key] = base.model_copy(update={"status": "error", "exporting": False, "error": why})
+        elif known is None:
+            by_key[key] = ManifestEntry(role="trainer", rank=rank, exporting=True)

@@ -4,6 +4,7 @@
     <save_path>/step_<k>/session.json                 controller's record
     <save_path>/step_<k>/rollout/<replica_id>/...     engine traces + entry.record
     <save_path>/step_<k>/trainer/rank_<r>/...         trainer traces + entry.record
+    <save_path>/step_<k>/trainer/ranks.record         the trainer ranks selected, and those that died
     <save_path>/step_<k>/ranks/                       every trace as a rank (profiling.analysis.tool_view)
     <save_path>/step_<k>/merged.trace.json.gz         one timeline (profiling.analysis.merge)
     <save_path>/step_<k>/merge.json                   the last merge's record
@@ -18,13 +19,14 @@ import re
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
 
 from profiling.config import MAX_STEP, check_safe_name
-from profiling.manifest import ManifestEntry, MergeRecord, SessionRecord, StepManifest
+from profiling.manifest import ManifestEntry, MergeRecord, SessionRecord, StepManifest, TrainerRecord
 
 ENTRY_FILE = "entry.record"
 """A producer's manifest entry (JSON) beside its traces. Not `*.json`: trace tools (HTA,
@@ -32,6 +34,8 @@ TensorBoard's profiler plugin) take every `*.json` / `*.gz` of a directory for a
 LEGACY_ENTRY_FILE = "entry.json"
 """The entry's name before `entry.record`; still read, never written."""
 SESSION_FILE = "session.json"
+TRAINER_RECORD = "trainer/ranks.record"
+"""The trainer's ranks record (profiling.manifest.TrainerRecord), relative to the step dir."""
 MANIFEST_FILE = "manifest.json"
 MERGE_FILE = "merge.json"
 MERGED_TRACE = "merged.trace.json.gz"
@@ -133,6 +137,21 @@ class TraceStore:
     def read_session(self, step: int) -> SessionRecord | None:
         return _read_model(self.step_dir(step) / SESSION_FILE, SessionRecord)
 
+    def read_trainer_record(self, step: int) -> TrainerRecord | None:
+        return _read_model(self.step_dir(step) / TRAINER_RECORD, TrainerRecord)
+
+    def update_trainer_record(self, step: int, change: Callable[[TrainerRecord], TrainerRecord]) -> StepManifest:
+        """Rewrite the step's trainer record as `change` makes it (from an empty one if none),
+        under the manifest's lock (the driving rank and the launcher both write it), then
+        refresh the manifest."""
+        step_dir = self.step_dir(step)
+        step_dir.mkdir(parents=True, exist_ok=True)
+        with open(step_dir / ".manifest.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            record = change(self.read_trainer_record(step) or TrainerRecord())
+            atomic_write_text(step_dir / TRAINER_RECORD, record.model_dump_json(indent=2))
+        return self.refresh_manifest(step)
+
     def read_entries(self, step: int) -> list[ManifestEntry]:
         found = [p for kind in ("rollout", "trainer") for p in self._entry_files(step, kind)]
         return [e for e in (_read_model(p, ManifestEntry) for p in found) if e is not None]
@@ -155,7 +174,9 @@ class TraceStore:
         step_dir.mkdir(parents=True, exist_ok=True)
         with open(step_dir / ".manifest.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            manifest = StepManifest.assemble(step, self.read_session(step), self.read_entries(step))
+            manifest = StepManifest.assemble(
+                step, self.read_session(step), self.read_entries(step), self.read_trainer_record(step)
+            )
             manifest.merge = self.read_merge(step)
             atomic_write_text(step_dir / MANIFEST_FILE, manifest.model_dump_json(indent=2))
         if self._auto_merge is not None and manifest.status in ("complete", "partial"):
@@ -176,7 +197,7 @@ class TraceStore:
         is up to date."""
         step_dir = self.step_dir(step)
         h = hashlib.sha256()
-        for path in [step_dir / SESSION_FILE, *self._entry_files(step)]:
+        for path in [step_dir / SESSION_FILE, step_dir / TRAINER_RECORD, *self._entry_files(step)]:
             h.update(str(path.relative_to(step_dir)).encode())
             try:
                 h.update(path.read_bytes())

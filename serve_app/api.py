@@ -7,9 +7,9 @@ both ends share one definition of every body.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from profiling.config import MAX_STEP, Activity, SafeName, StepNumber, StrictModel, Tool
 from profiling.manifest import ManifestStatus
@@ -50,14 +50,131 @@ class StopProfileRequest(StrictModel):
     )
 
 
+# -- weights by collective (docs/design.md#weights-by-collective) --------------------------------
+WORLD_SIZE_KEY = "world_size"
+"""Store key (under the group's prefix) of the group's world size, written by the app."""
+ALIGN_BYTES = 64
+"""Each tensor starts at a multiple of this in its bucket, so its bytes can be viewed as its dtype."""
+
+DTYPE_BYTES: dict[str, int] = {
+    "float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "float8_e4m3fn": 1, "float8_e5m2": 1,
+    "int8": 1, "uint8": 1, "int16": 2, "int32": 4, "int64": 8, "bool": 1,
+}  # fmt: skip
+"""The dtypes a tensor may travel as (torch's names without `torch.`), and their sizes."""
+
+
+class TensorMeta(StrictModel):
+    """One tensor of the checkpoint, as both ends lay it out in the buckets."""
+
+    name: str = Field(min_length=1)
+    dtype: str = Field(description="torch dtype name without 'torch.', e.g. float32, bfloat16.")
+    shape: list[int]
+
+    @field_validator("dtype")
+    @classmethod
+    def _known(cls, name: str) -> str:
+        if name not in DTYPE_BYTES:
+            raise ValueError(f"dtype {name!r} cannot travel by collective; use one of {', '.join(DTYPE_BYTES)}")
+        return name
+
+    @field_validator("shape")
+    @classmethod
+    def _sizes(cls, shape: list[int]) -> list[int]:
+        if any(d < 0 for d in shape):
+            raise ValueError(f"shape {shape} has a negative size")
+        return shape
+
+    @property
+    def nbytes(self) -> int:
+        n = DTYPE_BYTES[self.dtype]
+        for d in self.shape:
+            n *= d
+        return n
+
+
+class CollectiveTransfer(StrictModel):
+    """The `collective` part of a `/weights/update` with `source: collective`: where the
+    publisher's store listens, the sync's group, and the tensors in bucket order."""
+
+    address: str = Field(min_length=1, description="Host of the publisher's TCPStore, reachable from every replica.")
+    port: int = Field(ge=1, le=65535, description="Port of the publisher's TCPStore.")
+    group: SafeName = Field(description="Unique per sync: the store prefix the group is formed under.")
+    backend: Literal["gloo", "nccl"] = Field("gloo", description="gloo on CPU; nccl between GPUs.")
+    bucket_bytes: int = Field(64 << 20, ge=1 << 10, le=1 << 34, description="Most bytes broadcast at once.")
+    tensors: list[TensorMeta] = Field(min_length=1, description="Every tensor of the checkpoint, in bucket order.")
+
+    @field_validator("tensors")
+    @classmethod
+    def _unique(cls, tensors: list[TensorMeta]) -> list[TensorMeta]:
+        seen: set[str] = set()
+        twice = sorted({t.name for t in tensors if t.name in seen or seen.add(t.name)})  # type: ignore[func-returns-value]
+        if twice:
+            raise ValueError(f"tensor names must be unique; twice: {', '.join(twice[:3])}")
+        return tensors
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+class Bucket(StrictModel):
+    """One broadcast: tensors (indexes into `tensors`) at their byte offsets in one buffer."""
+
+    indexes: list[int]
+    offsets: list[int]
+    nbytes: int
+
+
+def plan_buckets(transfer: CollectiveTransfer) -> list[Bucket]:
+    """The buckets both ends use: tensors in order, packed until the next would pass
+    `bucket_bytes` (a tensor larger than that travels alone), each aligned to ALIGN_BYTES."""
+    buckets: list[Bucket] = []
+    current = Bucket(indexes=[], offsets=[], nbytes=0)
+    for i, t in enumerate(transfer.tensors):
+        start = -(-current.nbytes // ALIGN_BYTES) * ALIGN_BYTES
+        if current.indexes and start + t.nbytes > transfer.bucket_bytes:
+            buckets.append(current)
+            current, start = Bucket(indexes=[], offsets=[], nbytes=0), 0
+        current.indexes.append(i)
+        current.offsets.append(start)
+        current.nbytes = start + t.nbytes
+    buckets.append(current)
+    return buckets
+
+
+WeightsSource = Literal["path", "collective", "external"]
+"""How a version's weights reach the replicas (docs/design.md#weight-transfer)."""
+
+
 class UpdateWeightsRequest(StrictModel):
     version: int = Field(ge=0, le=MAX_STEP, description="Parameter version; must not decrease.")
-    path: str = Field(min_length=1, description="safetensors file or directory of them.")
+    source: WeightsSource = Field(
+        "path",
+        description="path: the replicas read `path`. collective: the trainer's publishing rank broadcasts "
+        "the tensors to every replica (`collective`; the app needs weight_transfer: collective). external: "
+        "the trainer already moved the weights itself; every replica must report `version`.",
+    )
+    path: str | None = Field(None, min_length=1, description="source path: safetensors file or directory of them.")
+    collective: CollectiveTransfer | None = Field(
+        None, description="source collective: the publisher's store, the sync's group and the tensors."
+    )
     resume: bool = Field(
         True,
         description="Open admission after loading. False holds engine steps after the load "
         "until the /profile/start that follows, so no step on the new weights runs unprofiled.",
     )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> UpdateWeightsRequest:
+        """Exactly the field its source needs, and no other."""
+        given = {"path": self.path is not None, "collective": self.collective is not None}
+        needed = {"path": self.source == "path", "collective": self.source == "collective"}
+        for name in given:
+            if needed[name] and not given[name]:
+                raise ValueError(f"source {self.source!r} needs `{name}`")
+            if given[name] and not needed[name]:
+                raise ValueError(f"`{name}` is only read with source {name!r}, not {self.source!r}: remove it")
+        return self
 
 
 class InClusterWeightsRequest(StrictModel):
@@ -101,7 +218,18 @@ class ReplicaReport(BaseModel):
     files: list[str] = Field(default_factory=list)
     stop_ack_s: float | None = None
     load_s: float | None = None
+    transfer_ranks: int | None = Field(
+        None, description="Members this replica puts in a collective weight transfer's group (one per engine worker)."
+    )
+    transfer_s: float | None = Field(None, description="Seconds this replica took to receive a collective transfer.")
     error: str | None = None
+
+
+class EngineRpcReport(ReplicaReport):
+    """One replica's answer to the ingress's `engine_rpc` (a handle call, never HTTP): what the
+    engine's own method returned."""
+
+    result: Any = None
 
 
 class StartProfileResponse(BaseModel):
@@ -123,6 +251,11 @@ class UpdateWeightsResponse(BaseModel):
     version: int
     replicas: list[ReplicaReport]
     load_s: float | None = Field(None, description="Slowest replica's load seconds.")
+    transfer_s: float | None = Field(
+        None,
+        description="Seconds the bytes took to reach the replicas before the load: the object store's fetch, "
+        "the collective's broadcast (measured by the publisher); None for a path the replicas read.",
+    )
 
 
 class StatusResponse(BaseModel):

@@ -63,6 +63,14 @@ class AppArgs(StrictModel):
     """Merge each complete or partial step into merged.trace.json.gz in the background."""
     weights_dir: str = "/tmp/rollout-profiler/weights"
     """/weights/update may only read paths inside this directory."""
+    weight_transfer: Literal["file", "collective"] = "file"
+    """How trainers deliver weights besides a path or the object store, which always work. file:
+    nothing more. collective: each replica can join a process group with the trainer's publishing
+    rank and receive the tensors by broadcast (`/weights/update` with source collective:
+    docs/design.md#weights-by-collective)."""
+    collective_backend: Literal["gloo", "nccl"] = "gloo"
+    """The process-group backend of weight_transfer: collective: gloo on CPU, nccl between GPUs
+    (replica_num_gpus > 0)."""
     control_token_env: str | None = None
     """Name of an environment variable of the ingress's process holding the control token: then
     /profile/* and /weights/* need 'Authorization: Bearer <token>'. The token itself is never in
@@ -111,6 +119,20 @@ class AppArgs(StrictModel):
                 "a file (control_token_file: PATH), and remove control_token"
             )
         return data
+
+    @model_validator(mode="after")
+    def _collective_backend_fits(self) -> AppArgs:
+        if self.collective_backend == "nccl" and self.weight_transfer != "collective":
+            raise ValueError(
+                "collective_backend is only read with weight_transfer: collective: set weight_transfer: "
+                "collective, or remove collective_backend"
+            )
+        if self.collective_backend == "nccl" and self.replica_num_gpus <= 0:
+            raise ValueError(
+                "collective_backend: nccl moves weights between GPUs, but replica_num_gpus is 0: give each "
+                "replica a GPU (replica_num_gpus), or use collective_backend: gloo on CPU"
+            )
+        return self
 
     @field_validator("control_token_env")
     @classmethod

@@ -1,7 +1,8 @@
 """The desired state of the rollout fleet, kept in one place (a named Ray actor per app).
 
 The controller is its only writer; every replica reads it when it starts, so a replica that
-joins or restarts mid-session loads the current weights and joins the active step.
+joins or restarts mid-session loads the current weights (from a path, the object store, or a
+peer replica) and joins the active step.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ class DesiredState(BaseModel):
     weights_path: str | None = None
     weights_in_object_store: bool = False
     """The served weights came through the Ray object store (the actor keeps their ref)."""
+    weights_from_peer: bool = False
+    """The served weights came by collective or by the trainer's own transfer: no file holds
+    them, so a replica that starts copies them from a peer replica serving `weight_version`."""
     paused: bool = False
 
 

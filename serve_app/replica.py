@@ -21,13 +21,13 @@ from ray import serve
 from profiling.manifest import ManifestEntry
 from profiling.session import ProfileSession, SessionConflict, SessionSpec
 from profiling.store import TraceStore
-from serve_app.api import ReplicaReport
+from serve_app.api import CollectiveTransfer, EngineRpcReport, ReplicaReport
 from serve_app.async_streams import merged
 from serve_app.choices import ChoiceBuilder, JobAccepted, JobDone, JobResult, PromptJob, choice_index, sampling_for
 from serve_app.config import AppArgs
 from serve_app.desired_state import DesiredStateStore
 from serve_app.engines import create_engine
-from serve_app.engines.base import check_fits, room_left
+from serve_app.engines.base import AdoptRefused, check_fits, room_left
 from serve_app.engines.generation import GenerateRequest
 from serve_app.openai_api import ChatChunkChoice, ChatCompletionRequest, CompletionChunkChoice
 from serve_app.reconcile import Reconciler
@@ -81,12 +81,47 @@ class RolloutReplica:
                 raise RuntimeError(f"cannot load the served weights, version {desired.weight_version}: {report.error}")
         elif desired.weight_version > 0 and desired.weights_path:
             await self.engine.update_weights(desired.weight_version, desired.weights_path, resume=True)
+        elif desired.weight_version > 0 and desired.weights_from_peer:
+            await self._load_from_peer(desired.weight_version)
         if desired.active is not None:
             spec = desired.active.model_copy(update={"late_start": True})
             log.info("joining active step %s late", spec.step)
             await self.engine.start_profile(spec)
         if desired.paused:
             await self.engine.stop_profile(None, pause=True)
+
+    async def _load_from_peer(self, version: int) -> None:
+        """Load the served `version` from a peer replica's snapshot (no file holds weights that came
+        by collective or the trainer's own transfer); RuntimeError when no peer can give it, so this
+        replica never serves other weights under the app's version."""
+        ctx = serve.get_replica_context()
+        # Routed, not broadcast: this replica is not running yet, so a peer answers.
+        peers = serve.get_deployment_handle(ctx.deployment, ctx.app_name)
+        deadline = time.monotonic() + self._args.control_timeout_s
+        why = "no peer replica answered"
+        for _ in range(2 * self._args.num_replicas):
+            try:
+                refs = await asyncio.wait_for(
+                    peers.weights_snapshot.remote(version), max(0.1, deadline - time.monotonic())
+                )
+            except Exception as e:  # noqa: BLE001 - another peer may have it; the last reason is raised
+                why = _first_line(e)
+                if time.monotonic() >= deadline:
+                    break
+                continue
+            report = await self.update_weights_in_cluster(version, refs, True)
+            if report.ok:
+                log.info("loaded the served weights, version %s, from a peer replica", version)
+                return
+            why = report.error or "the load failed"
+            break
+        message = (
+            f"cannot load the served weights, version {version}: they came by collective or by the trainer's "
+            f"own transfer, no file holds them, and no peer replica gave a copy ({why}); publish the weights "
+            "again as a new version to bring this replica in"
+        )
+        log.error(message)
+        raise RuntimeError(message)
 
     def _report(self, **fields: Any) -> ReplicaReport:
         st = self.engine.status()
@@ -101,6 +136,7 @@ class RolloutReplica:
             forward_steps=st.forward_steps,
             forward_steps_by_version=st.forward_steps_by_version,
             requests_in_flight=st.requests_in_flight,
+            transfer_ranks=self.engine.transfer_ranks,
         )
         base.update(fields)
         if error := base.get("error"):  # the full text goes to the log, the answer names no server path
@@ -211,16 +247,87 @@ class RolloutReplica:
 
     async def update_weights_in_cluster(self, version: int, refs: list[ray.ObjectRef], resume: bool) -> ReplicaReport:
         """Fetch the weights from the object store onto this node, then load them like a path."""
+        t0 = time.perf_counter()
         try:
             path = await materialize_weights(refs, self._node_dir, version)
         except Exception as e:  # noqa: BLE001 - reported per replica
             return self._report(ok=False, error=f"could not fetch the weights from the object store: {e}")
+        transfer_s = time.perf_counter() - t0
         report = await self.update_weights(version, str(path), resume)
         if report.ok:
             keep_only(path)
         else:
             path.unlink(missing_ok=True)
-        return report
+        return report.model_copy(update={"transfer_s": transfer_s})
+
+    # -- weights by collective, and the trainer's own transfer (broadcast) -----------------------
+    async def receive_weights(
+        self, version: int, transfer: CollectiveTransfer, first_ranks: dict[str, int], world_size: int
+    ) -> ReplicaReport:
+        """Join the sync's group at this replica's ranks in `first_ranks` and stage `version`'s
+        tensors (docs/design.md#weights-by-collective); the served weights are untouched."""
+        first = first_ranks.get(self.replica_id)
+        if first is None:
+            return self._report(
+                ok=False,
+                error=f"not a member of the transfer of version {version}: this replica started after the "
+                "members were counted; the next sync counts it",
+            )
+        try:
+            transfer_s = await self.engine.receive_weights(transfer, first, world_size, self._args.control_timeout_s)
+        except WeightsError as e:
+            return self._report(ok=False, error=str(e))
+        except Exception as e:  # noqa: BLE001 - reported per replica
+            return self._report(ok=False, error=f"did not receive version {version}: {_first_line(e)}")
+        return self._report(transfer_s=transfer_s)
+
+    async def load_staged(self, version: int, resume: bool) -> ReplicaReport:
+        """Load the staged transfer as `version` (every member received it), as a path loads."""
+        try:
+            load_s = await self.engine.load_staged(version, resume)
+        except WeightsError as e:
+            return self._report(ok=False, error=str(e))
+        except Exception as e:  # noqa: BLE001
+            return self._report(ok=False, error=f"weight update failed: {_first_line(e)}")
+        return self._report(load_s=load_s)
+
+    async def drop_staged(self) -> ReplicaReport:
+        """Forget a staged transfer (another member did not receive it): the old version serves on."""
+        await self.engine.drop_staged()
+        return self._report()
+
+    async def adopt_weights(self, version: int, resume: bool) -> ReplicaReport:
+        """Record `version`, which the trainer moved into the engine itself (source external), if
+        the engine reports it; `refused` when the engine keeps no version, `conflict` when it
+        reports another."""
+        try:
+            await self.engine.adopt_weights(version, resume)
+        except AdoptRefused as e:
+            return self._report(ok=False, refused=True, error=str(e))
+        except ValueError as e:
+            return self._report(ok=False, conflict=True, error=str(e))
+        except Exception as e:  # noqa: BLE001
+            return self._report(ok=False, error=f"could not adopt version {version}: {_first_line(e)}")
+        return self._report()
+
+    async def weights_snapshot(self, version: int) -> list[ray.ObjectRef]:
+        """`[ref]` of the served weights (CPU tensors) in the object store, for a replica that
+        joins after a collective or external transfer. ValueError when this replica serves
+        another version."""
+        if self.engine.weight_version != version:
+            raise ValueError(f"this replica serves version {self.engine.weight_version}, not {version}")
+        snapshot = await self.engine.weights_snapshot()
+        return [ray.put(snapshot)]
+
+    async def engine_rpc(self, method: str, args: list[Any], kwargs: dict[str, Any]) -> EngineRpcReport:
+        """`method(*args, **kwargs)` of the engine's own API (reached by handle only, never HTTP)."""
+        try:
+            result = await self.engine.engine_rpc(method, *args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - reported per replica
+            return EngineRpcReport(
+                **self._report(ok=False, error=f"engine rpc {method} failed: {_first_line(e)}").model_dump()
+            )
+        return EngineRpcReport(**self._report().model_dump(), result=result)
 
     async def status(self) -> ReplicaReport:
         return self._report()
@@ -246,3 +353,9 @@ class RolloutReplica:
 
     async def __del__(self) -> None:
         await self.engine.shutdown()
+
+
+def _first_line(e: BaseException) -> str:
+    """`<type>: <first line>` of an error (gloo's and Ray's carry long tails)."""
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"

@@ -20,6 +20,7 @@ from profiling.schedule import StepSchedule
 from profiling.store import TraceStore
 from trainer.client import RolloutClient, RolloutError
 from trainer.config import ConfigError, TrainerConfig, load_config
+from trainer.launch import RankDied, launch_ranks
 from trainer.loop import RunResult, VersionStats, run_training
 from trainer.report import finish_steps, profile_table, wait_for_manifests
 
@@ -38,7 +39,7 @@ def main(
     try:
         cfg = load_config(config, ctx.args)
         result, manifests, report = asyncio.run(_run(cfg))
-    except (ConfigError, RolloutError, ValueError) as e:
+    except (ConfigError, RolloutError, ValueError, RankDied) as e:
         console.print(f"[red]error:[/red] {e}")
         raise typer.Exit(1) from None
     console.print(
@@ -126,9 +127,12 @@ async def _run(
         def on_version(s: VersionStats) -> None:
             progress.update(task, advance=1, reward=s.reward, rate=s.samples_per_s, staleness=s.staleness)
 
-        async with RolloutClient(url, control_token=token) as client:
-            with progress:
-                result = await run_training(cfg, client, model_dir, on_version)
+        with progress:
+            if cfg.trainer.world_size > 1:
+                result = await asyncio.to_thread(launch_ranks, cfg, url, token, model_dir, on_version)
+            else:
+                async with RolloutClient(url, control_token=token) as client:
+                    result = await run_training(cfg, client, model_dir, on_version)
         manifests, report = {}, None
         if cfg.global_profiler.steps:
             store = TraceStore(cfg.global_profiler.save_path)

@@ -87,15 +87,11 @@ class RolloutClient:
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    async def _call(
-        self, method: str, path: str, model: type[R], body: BaseModel | None = None, *, retry: bool
-    ) -> R:
+    async def _call(self, method: str, path: str, model: type[R], body: BaseModel | None = None, *, retry: bool) -> R:
         # An OpenAI body carries only the fields the caller set: a default sent explicitly would
         # read as "set" to the ingress, which refuses fields the engine cannot honour.
         sampling = isinstance(body, SamplingFields)
-        payload = (
-            body.model_dump(mode="json", exclude_none=True, exclude_unset=sampling) if body is not None else None
-        )
+        payload = body.model_dump(mode="json", exclude_none=True, exclude_unset=sampling) if body is not None else None
         attempts = 1 + (self._retries if retry else 0)
         backlog_deadline = time.monotonic() + self._backlog_wait_s
         attempt = 0
@@ -132,6 +128,17 @@ class RolloutClient:
         body = UpdateWeightsRequest(version=version, path=path, resume=resume)
         return await self._call("POST", "/weights/update", UpdateWeightsResponse, body, retry=True)
 
+    async def adopt_weights(self, version: int, *, resume: bool = True) -> UpdateWeightsResponse:
+        """Publish `version`, which this trainer moved into the engines itself (source external):
+        the app checks that every replica's engine reports it, and loads nothing."""
+        body = UpdateWeightsRequest(version=version, source="external", resume=resume)
+        return await self._call("POST", "/weights/update", UpdateWeightsResponse, body, retry=True)
+
+    async def publish_weights(self, body: UpdateWeightsRequest) -> UpdateWeightsResponse:
+        """Send `body` to /weights/update once, never repeated (a collective transfer's broadcast
+        cannot be: trainer/collective.py sends it)."""
+        return await self._call("POST", "/weights/update", UpdateWeightsResponse, body, retry=False)
+
     async def status(self) -> StatusResponse:
         return await self._call("GET", "/profile/status", StatusResponse, retry=True)
 
@@ -161,9 +168,7 @@ class RolloutClient:
         body = CompletionRequest(prompt=prompt, **fields)
         return await self._call("POST", "/v1/completions", CompletionResponse, body, retry=True)
 
-    async def chat(
-        self, messages: Sequence[ChatMessage | Mapping[str, Any]], **fields: Any
-    ) -> ChatCompletionResponse:
+    async def chat(self, messages: Sequence[ChatMessage | Mapping[str, Any]], **fields: Any) -> ChatCompletionResponse:
         """/v1/chat/completions over `messages` (ChatMessages or OpenAI's `{"role", "content"}`
         dicts), rendered with the served model's chat template; `fields` are
         ChatCompletionRequest fields (max_tokens, temperature, logprobs, n, ...). Each choice

@@ -15,6 +15,36 @@ MAX_AGENT_TURNS = 16
 """Most turns per agent-loop episode (each turn's prompt holds the whole conversation so far)."""
 
 
+class TrainerProfileOptions(ProfileOptions):
+    """The trainer's `profiler:` section: the window options, and which ranks record (verl's keys)."""
+
+    all_ranks: bool = Field(False, description="Every trainer rank records the profiled steps (ranks is then unused).")
+    ranks: list[int] = Field(
+        default_factory=lambda: [0],
+        description="The trainer ranks that record the profiled steps, each into step_<k>/trainer/rank_<r>/ "
+        "(all_ranks: every rank). Each must be below trainer.world_size.",
+    )
+
+    @model_validator(mode="after")
+    def _ranks_are_ranks(self) -> TrainerProfileOptions:
+        if any(r < 0 for r in self.ranks) or len(set(self.ranks)) != len(self.ranks):
+            raise ValueError(f"profiler.ranks {self.ranks} must list distinct ranks, each 0 or more")
+        if self.all_ranks and "ranks" in self.model_fields_set:
+            raise ValueError(
+                f"profiler.all_ranks is true and profiler.ranks is {self.ranks}: all_ranks selects every rank; "
+                "remove one of them"
+            )
+        return self
+
+    def selected(self, world_size: int) -> list[int]:
+        """The ranks that record, of `world_size`."""
+        return list(range(world_size)) if self.all_ranks else sorted(self.ranks)
+
+    def window_options(self) -> ProfileOptions:
+        """The options of one recording (the rank selection left out)."""
+        return ProfileOptions.model_validate(self.model_dump(exclude={"all_ranks", "ranks"}))
+
+
 class TrainerSection(StrictModel):
     total_versions: int = Field(30, ge=1, description="Weight versions to publish.")
     trigger_parameter_sync_step: int = Field(2, ge=1, description="Mini-batches per version.")
@@ -31,6 +61,31 @@ class TrainerSection(StrictModel):
     model_path: str | None = Field(None, description="Initial HF checkpoint; null: the app's tiny Llama.")
     weights_dir: str = Field("outputs/weights", description="Where published versions are written.")
     keep_versions: int = Field(3, ge=1, description="Published weight files kept on disk.")
+    world_size: int = Field(
+        1,
+        ge=1,
+        description="Trainer processes: 1 trains in this process; more launches that many ranks "
+        "(torch.distributed, gloo), the policy sharded with FSDP2; rank 0 drives the app and publishes "
+        "(docs/trainer.md#several-ranks).",
+    )
+    weight_transfer: Literal["file", "collective"] = Field(
+        "file",
+        description="How published versions reach the replicas: file (a safetensors file in weights_dir, "
+        "its path sent to POST /weights/update), or collective (rank 0 broadcasts the state dict to the "
+        "replicas over a process group; the app's weight_transfer must be collective too).",
+    )
+    collective_address: str = Field(
+        "127.0.0.1", description="weight_transfer collective: the publishing rank's address the replicas dial."
+    )
+    bucket_mb: float = Field(
+        64.0, gt=0, description="weight_transfer collective: MiB of tensors per broadcast bucket."
+    )
+    dist_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        description="world_size > 1: how long a collective between the trainer's ranks may wait for a "
+        "rank (a rank that died is seen sooner, when its connections close).",
+    )
 
 
 class RolloutSection(StrictModel):
@@ -94,9 +149,9 @@ class TrainerConfig(StrictModel):
         description="verl's global_profiler: the profiled steps (trainer and rollout side), the "
         "trainer-side tool, and the traces' root.",
     )
-    profiler: ProfileOptions = Field(
-        default_factory=ProfileOptions,
-        description="Trainer-side window options; its tool is global_profiler.tool's.",
+    profiler: TrainerProfileOptions = Field(
+        default_factory=TrainerProfileOptions,
+        description="Trainer-side window options and the ranks that record; its tool is global_profiler.tool's.",
     )
     trainer: TrainerSection = Field(
         default_factory=TrainerSection,
@@ -121,7 +176,23 @@ class TrainerConfig(StrictModel):
                 f"global_profiler.tool is {chosen!r} but profiler.tool is {self.profiler.tool!r}: the trainer "
                 "records with one tool; remove profiler.tool or make them agree"
             )
-        self.profiler = self.profiler.merged(tool=chosen)
+        self.profiler = self.profiler.model_copy(update={"tool": chosen})
+        return self
+
+    @model_validator(mode="after")
+    def _ranks_fit_the_world(self) -> TrainerConfig:
+        """profiler.ranks name ranks of trainer.world_size; every rank gets part of a mini-batch."""
+        world = self.trainer.world_size
+        if beyond := [r for r in self.profiler.ranks if r >= world]:
+            raise ValueError(
+                f"profiler.ranks {self.profiler.ranks} names rank(s) {beyond}, but trainer.world_size is "
+                f"{world} (ranks 0..{world - 1}): lower the ranks or raise trainer.world_size"
+            )
+        if self.trainer.mini_batch_size < world:
+            raise ValueError(
+                f"trainer.mini_batch_size {self.trainer.mini_batch_size} is below trainer.world_size {world}: "
+                "each rank trains on its share of a mini-batch; raise mini_batch_size"
+            )
         return self
 
 

@@ -19,6 +19,8 @@ from trainer.client import RolloutError
 class InClusterWeights:
     """Publishes weight versions to the app named `app_name` through its DeploymentHandle."""
 
+    mode = "object_store"
+
     def __init__(self, app_name: str = "rollout"):
         self._handle = serve.get_app_handle(app_name)
 

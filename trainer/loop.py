@@ -22,8 +22,9 @@ from profiling.schedule import StepSchedule
 from trainer.agent_loop import AgentLoop, Reward
 from trainer.client import RolloutClient
 from trainer.config import TrainerConfig
+from trainer.distributed import GlooRankLink, Ranks, share_from_driver
 from trainer.policy import Policy, Sample
-from trainer.profiled_sync import ProfiledWeightSync
+from trainer.profiled_sync import ProfiledWeightSync, StateDictTransport, Weights
 
 PROMPTS = [
     "The rollout server",
@@ -117,15 +118,22 @@ def _producers(
 
 async def run_training(
     cfg: TrainerConfig,
-    client: RolloutClient,
+    client: RolloutClient | None,
     model_dir: str,
     on_version: ProgressHook | None = None,
+    ranks: Ranks | None = None,
 ) -> RunResult:
-    """Train for `total_versions` versions against the app behind `client`."""
+    """Train for `total_versions` versions against the app behind `client`. `ranks`: this
+    process's rank of `trainer.world_size` (their process group joined; docs/trainer.md#several-ranks):
+    the driving rank samples, shares each mini-batch and publishes; the others train on their
+    share and have no client."""
     t = cfg.trainer
+    ranks = ranks or Ranks()
     executor = ThreadPoolExecutor(1, thread_name_prefix="trainer-model")
     loop = asyncio.get_running_loop()
-    policy = await loop.run_in_executor(executor, Policy, model_dir, t.lr, t.clip_ratio, t.seed)
+    policy = await loop.run_in_executor(
+        executor, lambda: Policy(model_dir, t.lr, t.clip_ratio, t.seed, shard=ranks.distributed)
+    )
     reward = token_share(policy.token_id(t.reward_text))
     # The policy is the served model: a sample must fit its context to be trained on.
     context_len = int(policy.model.config.max_position_embeddings)
@@ -133,27 +141,36 @@ async def run_training(
     schedule = StepSchedule.from_config(cfg.global_profiler)
     sync = ProfiledWeightSync(
         schedule,
-        client,
+        client if ranks.drives else None,
         save_path=cfg.global_profiler.save_path if cfg.global_profiler.steps else None,
-        options=cfg.profiler,
+        options=cfg.profiler.window_options(),
+        rank=ranks.rank,
+        drives=ranks.drives,
+        records=ranks.records,
+        ranks=ranks.selected,
+        world_size=ranks.world_size,
+        link=GlooRankLink(ranks) if ranks.distributed else None,
         model_executor=executor,
         merge_on_complete=cfg.global_profiler.merge_on_complete,
+        transport=_transport(cfg, client) if ranks.drives else None,
     )
     result = RunResult()
     queue: asyncio.Queue[Sample] = asyncio.Queue(maxsize=t.mini_batch_size * 2)
     producers: list[asyncio.Task] = []
     try:
         async with sync:
-            producers = _producers(client, cfg, reward, context_len, queue)
+            if client is not None and ranks.drives:
+                producers = _producers(client, cfg, reward, context_len, queue)
             for version in range(1, t.total_versions + 1):
-                stats = await _train_version(cfg, policy, sync, queue, producers, executor, version, result)
+                stats = await _train_version(cfg, policy, sync, queue, producers, executor, version, result, ranks)
                 path = weights_dir / f"v{version}.safetensors"
 
-                def publish(p: Path = path) -> Awaitable[Path]:
-                    return loop.run_in_executor(executor, policy.save, p)
+                def publish(p: Path = path) -> Awaitable[Weights | None]:
+                    return loop.run_in_executor(executor, _publish, policy, p, ranks, sync.transport is not None)
 
                 report = await sync.sync(version, publish)
-                _prune(weights_dir, version, t.keep_versions)
+                if ranks.drives and sync.transport is None:
+                    _prune(weights_dir, version, t.keep_versions)
                 stats.sync = report.cost
                 result.versions.append(stats)
                 if on_version:
@@ -167,6 +184,28 @@ async def run_training(
     return result
 
 
+def _transport(cfg: TrainerConfig, client: RolloutClient | None) -> StateDictTransport | None:
+    """The state-dict transport of `trainer.weight_transfer` (None: weight files)."""
+    t = cfg.trainer
+    if t.weight_transfer == "file" or client is None:
+        return None
+    from trainer.collective import CollectiveWeights  # lazy: only jobs that broadcast need it
+
+    transport: StateDictTransport = CollectiveWeights(
+        client, address=t.collective_address, bucket_bytes=int(t.bucket_mb * 2**20)
+    )
+    return transport
+
+
+def _publish(policy: Policy, path: Path, ranks: Ranks, as_state_dict: bool) -> Weights | None:
+    """The sync's publish, on the model thread: every rank joins the gather; the driving rank
+    writes the weights file, or hands the state dict to the transport."""
+    state = policy.full_state_dict()
+    if not ranks.drives:
+        return None
+    return state if as_state_dict else policy.save(path, state)
+
+
 async def _train_version(
     cfg: TrainerConfig,
     policy: Policy,
@@ -176,8 +215,10 @@ async def _train_version(
     executor: ThreadPoolExecutor,
     version: int,
     result: RunResult,
+    ranks: Ranks,
 ) -> VersionStats:
-    """The mini-batches that produce `version` (trained from version-1)."""
+    """The mini-batches that produce `version` (trained from version-1); with several ranks the
+    driving rank samples each mini-batch and shares it (the others wait for it)."""
     t = cfg.trainer
     loop = asyncio.get_running_loop()
     rewards: list[float] = []
@@ -186,20 +227,27 @@ async def _train_version(
     t0, taken, dropped = time.perf_counter(), 0, 0
     for _ in range(t.trigger_parameter_sync_step):
         batch: list[Sample] = []
-        while len(batch) < t.mini_batch_size:
+        batch_dropped, batch_taken = 0, 0
+        while ranks.drives and len(batch) < t.mini_batch_size:
             sample = await _next_sample(queue, producers)
-            taken += 1
-            lag = (version - 1) - sample.weight_version
-            if lag > cfg.rollout.max_staleness:
-                result.dropped_stale += 1
-                dropped += 1
+            batch_taken += 1
+            if (version - 1) - sample.weight_version > cfg.rollout.max_staleness:
+                batch_dropped += 1
                 continue
             batch.append(sample)
-            staleness.append(lag)
+        if ranks.distributed:
+            shared = (batch, batch_dropped, batch_taken)
+            batch, batch_dropped, batch_taken = await loop.run_in_executor(
+                executor, share_from_driver, shared, ranks
+            )
+        taken += batch_taken
+        dropped += batch_dropped
+        result.dropped_stale += batch_dropped
+        staleness.extend((version - 1) - s.weight_version for s in batch)
 
         def step(b: list[Sample] = batch) -> float:
             with sync.fit_step(version - 1):
-                return policy.train_step(b)
+                return policy.train_step(b, (ranks.rank, ranks.world_size))
 
         losses.append(await loop.run_in_executor(executor, step))
         rewards.extend(s.reward for s in batch)

@@ -21,10 +21,19 @@ class Sample(BaseModel):
 
 
 class Policy:
-    def __init__(self, model_dir: str, lr: float, clip_ratio: float, seed: int):
+    def __init__(self, model_dir: str, lr: float, clip_ratio: float, seed: int, *, shard: bool = False):
+        """`shard`: wrap the model with FSDP2's `fully_shard` (each decoder layer, then the whole),
+        over the default process group: every rank of it must construct the policy."""
         torch.manual_seed(seed)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.model = LlamaForCausalLM.from_pretrained(model_dir).train()
+        self.sharded = shard
+        if shard:
+            from torch.distributed.fsdp import fully_shard
+
+            for layer in self.model.model.layers:
+                fully_shard(layer)
+            fully_shard(self.model)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=lr)
         self.clip_ratio = clip_ratio
         self._pad = self.tokenizer.pad_token_id
@@ -35,10 +44,14 @@ class Policy:
             raise ValueError(f"reward_text {text!r} is {len(ids)} tokens ({ids}); pick one that is one token")
         return ids[0]
 
-    def train_step(self, batch: list[Sample]) -> float:
-        """One optimizer step on `batch`; returns the loss."""
+    def train_step(self, batch: list[Sample], part: tuple[int, int] = (0, 1)) -> float:
+        """One optimizer step on `batch`; returns the loss. `part` (rank, world_size): this rank
+        trains on every world_size-th sample from its rank on, with advantages normalised over the
+        whole mini-batch (FSDP averages the ranks' gradients)."""
         rewards = torch.tensor([s.reward for s in batch])
-        adv = (rewards - rewards.mean()) / (rewards.std() + 1e-6)
+        adv_all = (rewards - rewards.mean()) / (rewards.std() + 1e-6)
+        rank, world = part
+        batch, adv = batch[rank::world], adv_all[rank::world]
         seqs = [s.prompt_ids + s.completion_ids for s in batch]
         width = max(map(len, seqs))
         ids = torch.full((len(batch), width), self._pad, dtype=torch.long)
@@ -61,11 +74,24 @@ class Policy:
         self.optimizer.step()
         return float(loss.detach())
 
-    def save(self, path: Path) -> Path:
-        """Write the current weights as one safetensors file (atomically)."""
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's weights on the CPU. Sharded: a collective every rank joins
+        (torch.distributed.checkpoint's full-state-dict gather); only rank 0 gets them, the
+        others an empty dict."""
+        if not self.sharded:
+            return {k: v.detach().cpu().contiguous() for k, v in self.model.state_dict().items()}
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        gathered = get_model_state_dict(self.model, options=options)
+        return {k: v.contiguous() for k, v in gathered.items() if isinstance(v, torch.Tensor)}
+
+    def save(self, path: Path, state: dict[str, torch.Tensor] | None = None) -> Path:
+        """Write the current weights (or `state`, already gathered) as one safetensors file
+        (atomically)."""
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        state = {k: v.detach().contiguous() for k, v in self.model.state_dict().items()}
+        state = state if state is not None else self.full_state_dict()
         save_file(state, str(tmp))
         tmp.replace(path)
         return path

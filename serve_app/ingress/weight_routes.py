@@ -1,14 +1,24 @@
-"""/weights/update: load a new parameter version on every replica; and its in-cluster form,
-reached through the app's DeploymentHandle instead of HTTP."""
+"""/weights/update: publish a new parameter version on every replica; and the in-cluster calls
+reached through the app's DeploymentHandle instead of HTTP (weights through the object store,
+the engines' own RPC)."""
 
 from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import ray
 from fastapi import Depends
 from pydantic import ValidationError
 
 from profiling.config import describe_validation_error
-from serve_app.api import ErrorResponse, InClusterWeightsRequest, UpdateWeightsRequest, UpdateWeightsResponse
+from serve_app.api import (
+    EngineRpcReport,
+    ErrorResponse,
+    InClusterWeightsRequest,
+    UpdateWeightsRequest,
+    UpdateWeightsResponse,
+)
 from serve_app.control.weight_control import WeightControl
 from serve_app.errors import Refused
 from serve_app.ingress.auth import require_control_token
@@ -27,7 +37,9 @@ class WeightRoutesMixin:
     }
 
     async def update_weights(self, body: UpdateWeightsRequest) -> UpdateWeightsResponse:
-        """Load `path` as `version` on every replica between engine steps."""
+        """Publish `version` on every replica between engine steps, from its `source`: the file at
+        `path`, a collective broadcast from the trainer's publishing rank, or the trainer's own
+        transfer (external: every replica's engine must report `version`)."""
         return await self.weight_control.update_weights(body)
 
     async def update_weights_in_cluster(
@@ -41,3 +53,19 @@ class WeightRoutesMixin:
         except ValidationError as e:
             raise Refused(describe_validation_error(e)) from None
         return await self.weight_control.update_weights_in_cluster(req, refs)
+
+    async def engine_rpc(
+        self,
+        method: str,
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+        timeout_s: float | None = None,
+    ) -> list[EngineRpcReport]:
+        """Not an HTTP route: a trainer in the same Ray cluster moving weights itself calls
+        `await serve.get_app_handle(app).engine_rpc.remote(method, args, kwargs)`, which runs
+        `method(*args, **kwargs)` of every replica's engine (vLLM: a method of its AsyncLLM, such as
+        `collective_rpc` with a worker method), concurrently, within `timeout_s` (default the app's
+        control_timeout_s). Returns one EngineRpcReport per replica: `ok`, `error`, and `result`
+        (what the method returned); 503 when no replica ran it. Then `/weights/update` with
+        source external publishes the version (docs/design.md#weight-transfer)."""
+        return await self.weight_control.engine_rpc(method, list(args), dict(kwargs or {}), timeout_s)

@@ -6,13 +6,14 @@ conftest without a package would shadow it); test modules import from here direc
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import os
 import re
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
@@ -21,6 +22,8 @@ import httpx
 
 T = TypeVar("T")
 
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "HF_HUB_OFFLINE": "1"}
+"""What vLLM on CPU needs in this machine's tests (a replica's `replica_env`, or this process's)."""
 HTTP_TIMEOUT_S = 60.0
 RESTART_TIMEOUT_S = 120.0
 MARKER = re.compile(r"^forward_step#(\d+) step=(\d+) weight_version=(\d+)$")
@@ -64,9 +67,7 @@ def complete(c: httpx.Client, prompt: Any = "Hello", **body: Any) -> dict:
 def complete_concurrently(c: httpx.Client, n: int = 6, max_tokens: int = 8, **body: Any) -> list[dict]:
     """`n` completions in flight at once (so the load balancer spreads them over replicas)."""
     with ThreadPoolExecutor(n) as pool:
-        futures = [
-            pool.submit(complete, c, PROMPTS[i % len(PROMPTS)], max_tokens=max_tokens, **body) for i in range(n)
-        ]
+        futures = [pool.submit(complete, c, PROMPTS[i % len(PROMPTS)], max_tokens=max_tokens, **body) for i in range(n)]
         return [f.result() for f in futures]
 
 
@@ -155,7 +156,9 @@ def kill_replica(report: dict, known_pids: set[int]) -> None:
     os.kill(pid, signal.SIGKILL)
 
 
-def wait_for_fleet(c: httpx.Client, replicas: int, exclude: set[str], *, ingress_may_restart: bool = False) -> list[dict]:
+def wait_for_fleet(
+    c: httpx.Client, replicas: int, exclude: set[str], *, ingress_may_restart: bool = False
+) -> list[dict]:
     """Until `replicas` replicas answer ok, none of them one in `exclude` (killed ones).
     `ingress_may_restart`: a failing status call (the ingress itself restarting) is waited out."""
 
@@ -188,3 +191,34 @@ def write_perturbed_weights(model_dir: Path, out: Path, seed: int) -> Path:
         state[name] = (t + 0.05 * noise).contiguous()
     save_file(state, str(out))
     return out
+
+
+@contextlib.asynccontextmanager
+async def direct_vllm_engine(model_dir: Path, tmp: Path) -> AsyncIterator[Any]:
+    """One `VllmEngine` built in this process, on the caller's event loop, as a replica builds it
+    (its traces under `tmp`); shut down on the way out."""
+    from profiling.manifest import ManifestEntry
+    from profiling.session import ProfileSession
+    from profiling.store import TraceStore
+    from serve_app.config import AppArgs
+    from serve_app.engines.vllm_engine import VllmEngine
+
+    os.environ.update(VLLM_ENV)
+    exporter = ThreadPoolExecutor(1, thread_name_prefix="export")
+    built = VllmEngine(
+        args=AppArgs(engine="vllm", vllm={"dtype": "float32", "max_model_len": 256}),
+        model_dir=model_dir,
+        session_factory=lambda backend_factory: ProfileSession(
+            store=TraceStore(tmp / "traces"),
+            entry_identity=ManifestEntry(role="rollout", replica_id="direct0"),
+            exporter=exporter,
+            backend_factory=backend_factory,
+        ),
+        trace_dir=tmp / "engine",
+    )
+    await built.opened()
+    try:
+        yield built
+    finally:
+        await built.shutdown()
+        exporter.shutdown(wait=True)

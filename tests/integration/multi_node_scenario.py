@@ -70,9 +70,7 @@ async def scenario(url: str, work: Path, model_dir: Path) -> dict:
     base = load_file(str(model_dir / "model.safetensors"))
     async with RolloutClient(url) as client, httpx.AsyncClient(base_url=url, timeout=60) as http:
         # The trainer runs in this Ray cluster: weights go through the object store.
-        sync = ProfiledWeightSync(
-            StepSchedule(steps=[1, 2]), client, save_path=None, in_cluster=InClusterWeights(APP)
-        )
+        sync = ProfiledWeightSync(StepSchedule(steps=[1, 2]), client, save_path=None, transport=InClusterWeights(APP))
         await sync.begin()  # starts step 1
         report["status_step1"] = await generate_until_every_replica_recorded(http, client)
         new = {k: v + 0.01 for k, v in base.items()}

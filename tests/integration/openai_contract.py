@@ -37,7 +37,9 @@ def test_every_prompt_form(oai, tok):
     by_text = oai.completions.create(model="tiny-llama", prompt=text, max_tokens=4, temperature=0)
     by_ids = oai.completions.create(model="tiny-llama", prompt=ids, max_tokens=4, temperature=0)
     batch = oai.completions.create(model="tiny-llama", prompt=[text, "Red green blue"], max_tokens=4, temperature=0)
-    id_batch = oai.completions.create(model="tiny-llama", prompt=[ids, tok("Red green blue").input_ids], max_tokens=4, temperature=0)
+    id_batch = oai.completions.create(
+        model="tiny-llama", prompt=[ids, tok("Red green blue").input_ids], max_tokens=4, temperature=0
+    )
     assert by_text.choices[0].text == by_ids.choices[0].text
     for resp in (batch, id_batch):
         assert [c.index for c in resp.choices] == [0, 1]
@@ -107,18 +109,28 @@ def test_sampling_cuts_that_leave_one_token_are_greedy(oai):
 
 
 def test_stop_strings_cut_the_text_and_keep_the_tokens(oai, tok):
-    base = oai.completions.create(model="tiny-llama", prompt="One two", max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
+    base = oai.completions.create(
+        model="tiny-llama", prompt="One two", max_tokens=24, temperature=0, extra_body={"ignore_eos": True}
+    )
     full = base.choices[0].text
     assert len(full) > 6
     stop = full[3:6]
-    cut = dump(oai.completions.create(model="tiny-llama", prompt="One two", max_tokens=24, temperature=0, stop=[stop]).choices[0])
+    cut = dump(
+        oai.completions.create(model="tiny-llama", prompt="One two", max_tokens=24, temperature=0, stop=[stop]).choices[
+            0
+        ]
+    )
     assert cut["finish_reason"] == "stop" and cut["stop_reason"] == stop
     assert cut["text"] == full[: full.index(stop)]
     assert stop in tok.decode(cut["token_ids"]), "the tokens that made the stop string stay"
     assert stop not in tok.decode(cut["token_ids"][:-1]), "the choice stops at the token completing it"
     kept = dump(
         oai.completions.create(
-            model="tiny-llama", prompt="One two", max_tokens=24, temperature=0, stop=[stop],
+            model="tiny-llama",
+            prompt="One two",
+            max_tokens=24,
+            temperature=0,
+            stop=[stop],
             extra_body={"include_stop_str_in_output": True},
         ).choices[0]
     )
@@ -126,13 +138,20 @@ def test_stop_strings_cut_the_text_and_keep_the_tokens(oai, tok):
 
 
 def test_stop_token_ids_ignore_eos_and_min_tokens(oai):
-    base = dump(oai.completions.create(model="tiny-llama", prompt="Red green", max_tokens=12, temperature=0, extra_body={"ignore_eos": True}).choices[0])
+    base = dump(
+        oai.completions.create(
+            model="tiny-llama", prompt="Red green", max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+        ).choices[0]
+    )
     assert len(base["token_ids"]) == 12 and base["finish_reason"] == "length"
     stop_id = base["token_ids"][4]
     first = base["token_ids"].index(stop_id)
     stopped = dump(
         oai.completions.create(
-            model="tiny-llama", prompt="Red green", max_tokens=12, temperature=0,
+            model="tiny-llama",
+            prompt="Red green",
+            max_tokens=12,
+            temperature=0,
             extra_body={"ignore_eos": True, "stop_token_ids": [stop_id]},
         ).choices[0]
     )
@@ -140,7 +159,10 @@ def test_stop_token_ids_ignore_eos_and_min_tokens(oai):
     assert stopped["finish_reason"] == "stop" and stopped["stop_reason"] == stop_id
     held = dump(
         oai.completions.create(
-            model="tiny-llama", prompt="Red green", max_tokens=12, temperature=0,
+            model="tiny-llama",
+            prompt="Red green",
+            max_tokens=12,
+            temperature=0,
             extra_body={"ignore_eos": True, "stop_token_ids": [stop_id], "min_tokens": first + 2},
         ).choices[0]
     )
@@ -148,7 +170,11 @@ def test_stop_token_ids_ignore_eos_and_min_tokens(oai):
 
 
 def test_logprobs_top_five_in_openai_shape(oai):
-    c = dump(oai.completions.create(model="tiny-llama", prompt="Numbers: 0 1", max_tokens=6, temperature=0, logprobs=5).choices[0])
+    c = dump(
+        oai.completions.create(
+            model="tiny-llama", prompt="Numbers: 0 1", max_tokens=6, temperature=0, logprobs=5
+        ).choices[0]
+    )
     lp = c["logprobs"]
     assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(c["token_ids"])
     for sampled, top in zip(lp["token_logprobs"], lp["top_logprobs"], strict=True):
@@ -160,7 +186,11 @@ def test_logprobs_top_five_in_openai_shape(oai):
 
 def test_echo_prepends_the_prompt_with_its_logprobs(oai):
     prompt = "The quick brown fox"
-    c = dump(oai.completions.create(model="tiny-llama", prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=1).choices[0])
+    c = dump(
+        oai.completions.create(
+            model="tiny-llama", prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=1
+        ).choices[0]
+    )
     assert c["text"].startswith(prompt)
     n_prompt = len(c["prompt_token_ids"])
     lp = c["logprobs"]
@@ -198,8 +228,12 @@ def test_streaming_matches_the_full_answer_and_reports_usage(oai, http):
 
 def test_chat_with_the_template(oai, tok):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "One two three"}]
-    resp = oai.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=8, temperature=0, n=2, logprobs=True, top_logprobs=3)
-    rendered = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    resp = oai.chat.completions.create(
+        model="tiny-llama", messages=messages, max_tokens=8, temperature=0, n=2, logprobs=True, top_logprobs=3
+    )
+    rendered = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)[
+        "input_ids"
+    ]
     assert resp.object == "chat.completion"
     for c in map(dump, resp.choices):
         assert c["message"]["role"] == "assistant"
@@ -209,7 +243,9 @@ def test_chat_with_the_template(oai, tok):
         assert all(len(t["top_logprobs"]) == 3 for t in c["logprobs"]["content"])
         spans_cover(c)
     assert resp.usage.prompt_tokens == len(rendered)
-    streamed = oai.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=8, temperature=0, stream=True)
+    streamed = oai.chat.completions.create(
+        model="tiny-llama", messages=messages, max_tokens=8, temperature=0, stream=True
+    )
     content, roles = "", []
     for chunk in streamed:
         for ch in chunk.choices:

@@ -52,9 +52,11 @@ def test_serve_run_refuses_a_bad_cross_field_config_naming_the_keys(ray_cluster,
     )
     try:
         app = poll(
-            lambda: (a := serve.status().applications.get(name)) is not None
-            and a.status == ApplicationStatus.DEPLOY_FAILED
-            and a,
+            lambda: (
+                (a := serve.status().applications.get(name)) is not None
+                and a.status == ApplicationStatus.DEPLOY_FAILED
+                and a
+            ),
             timeout=120,
             what="the app's build to fail",
         )
@@ -68,7 +70,7 @@ def test_serve_run_refuses_a_bad_cross_field_config_naming_the_keys(ray_cluster,
         serve.delete(name)
 
 
-EXPOSED = '''
+EXPOSED = """
 import json, os, sys, time
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 import ray
@@ -95,7 +97,7 @@ try:
 finally:
     serve.shutdown()
     ray.shutdown()
-'''
+"""
 
 
 def test_a_port_beyond_loopback_without_a_token_fails_the_build(tmp_path):

@@ -126,6 +126,7 @@ def test_metrics_follow_a_profiled_weight_sync(app, http, model_dir):
         return now if value(now, exports) >= value(before, exports) + 2 * REPLICAS else None
 
     counted = poll(exports_counted, timeout=30, what="the controller to count both steps' exports")
+
     # Both steps' exports were collected: the backlog that bounds starts (429) is empty again.
     def backlog_drained() -> Samples | None:
         now = scrape(http)

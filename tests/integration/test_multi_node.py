@@ -30,7 +30,9 @@ def report(model_dir, tmp_path_factory) -> dict:
         timeout=540,
     )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("REPORT ")]
-    assert proc.returncode == 0 and lines, f"scenario failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    assert proc.returncode == 0 and lines, (
+        f"scenario failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    )
     return json.loads(lines[-1].removeprefix("REPORT "))
 
 

@@ -55,9 +55,17 @@ def tok(model_dir):
 def test_chat_multi_turn_continues_the_context(oai):
     messages = [{"role": "user", "content": "Red green blue"}]
     first = oai.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=6, temperature=0)
-    messages += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "More."}]
-    second = dump(oai.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=6, temperature=0).choices[0])
-    assert len(second["prompt_token_ids"]) > len(dump(first.choices[0])["prompt_token_ids"]) + len(dump(first.choices[0])["token_ids"]) - 1
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "More."},
+    ]
+    second = dump(
+        oai.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=6, temperature=0).choices[0]
+    )
+    assert (
+        len(second["prompt_token_ids"])
+        > len(dump(first.choices[0])["prompt_token_ids"]) + len(dump(first.choices[0])["token_ids"]) - 1
+    )
 
 
 @pytest.mark.parametrize(
@@ -79,7 +87,17 @@ def test_refusals_name_the_field(http, body, named):
 
 
 def test_chat_without_limit_takes_the_rest_of_the_context(http):
-    body = ok(http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "temperature": 0, "ignore_eos": True, "max_tokens": None}))
+    body = ok(
+        http.post(
+            "/v1/chat/completions",
+            json={
+                "messages": [{"role": "user", "content": "Hi"}],
+                "temperature": 0,
+                "ignore_eos": True,
+                "max_tokens": None,
+            },
+        )
+    )
     c = body["choices"][0]
     assert len(c["prompt_token_ids"]) + len(c["token_ids"]) == 512, "the tiny model's context is 512"
 

@@ -58,7 +58,9 @@ GENERATION = {"/v1/completions", "/v1/chat/completions"}
 def fuzz_app(ray_cluster, model_dir, tmp_path_factory) -> Iterator[ServeApp]:
     tmp = tmp_path_factory.mktemp("fuzz")
     (tmp / "token").write_text(TOKEN)
-    with deployed(ray_cluster, model_dir, tmp, "fuzz", control_token_file=str(tmp / "token"), merge_on_complete=False) as served:
+    with deployed(
+        ray_cluster, model_dir, tmp, "fuzz", control_token_file=str(tmp / "token"), merge_on_complete=False
+    ) as served:
         shutil.copyfile(model_dir / "model.safetensors", served.weights_dir / BASE_WEIGHTS)
         # Version 1 names BASE_WEIGHTS, so `reopen` can always ask for the served version again
         # (version 0 is the initial weights: no path may be published as it).
@@ -119,7 +121,11 @@ def steer(path: str, case, data, http) -> None:
         for key in ("max_tokens", "max_completion_tokens"):
             if type(body.get(key)) is int and body[key] > 8:
                 body[key] = 8
-        if path == "/v1/chat/completions" and body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+        if (
+            path == "/v1/chat/completions"
+            and body.get("max_tokens") is None
+            and body.get("max_completion_tokens") is None
+        ):
             body["max_tokens"] = 8
     elif path == "/profile/steps/{k}" and data.draw(st.booleans(), label="a recorded step"):
         recorded = ok(http.get("/profile/steps"))["steps"]

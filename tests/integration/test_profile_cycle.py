@@ -83,7 +83,8 @@ def test_profile_cycle_writes_complete_manifest_and_traces(app, http):
     # The app merges the settled step into one timeline in the background (merge_on_complete).
     merge = poll(
         lambda: json.loads((step_dir / "manifest.json").read_text()).get("merge"),
-        timeout=60, what=f"the background merge of step {step}",
+        timeout=60,
+        what=f"the background merge of step {step}",
     )
     assert merge["status"] == "ok" and (step_dir / "merged.trace.json.gz").is_file(), merge
     assert {a["key"] for a in merge["processes"]} == {f"rollout/{e['replica_id']}" for e in rollout}
@@ -108,9 +109,7 @@ def test_weight_update_between_profiled_steps_is_attributed_exactly(app, http, m
             held = pool.submit(complete, http, "Red green blue", max_tokens=3)
             time.sleep(1.0)
             assert not held.done(), "a request ran while admission was held after stop(pause)"
-            updated = ok(
-                http.post("/weights/update", json={"version": version, "path": str(weights), "resume": False})
-            )
+            updated = ok(http.post("/weights/update", json={"version": version, "path": str(weights), "resume": False}))
             assert updated["version"] == version and len(updated["replicas"]) == REPLICAS
             assert all(r["ok"] and r["weight_version"] == version for r in updated["replicas"]), updated
             assert status(http)["paused"] is True
@@ -191,8 +190,11 @@ def test_continuous_window_marks_the_weight_update(app, http, model_dir):
         events = trace_events(step_dir, e)
         updates = [ev for ev in events if ev.get("name") == f"weight_update version={version}" and ev.get("ph") == "X"]
         assert len(updates) == 1, f"{e['replica_id']}: {len(updates)} weight_update ranges"
-        forward = {int(MARKER.match(ev["name"]).group(1)): ev for ev in events
-                   if ev.get("ph") == "X" and MARKER.match(str(ev.get("name", "")))}
+        forward = {
+            int(MARKER.match(ev["name"]).group(1)): ev
+            for ev in events
+            if ev.get("ph") == "X" and MARKER.match(str(ev.get("name", "")))
+        }
         update_ts = updates[0]["ts"]
         for i, _, v in markers:
             before = forward[i]["ts"] + forward[i]["dur"] <= update_ts

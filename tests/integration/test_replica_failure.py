@@ -35,7 +35,9 @@ REPLICAS = 2
 
 @pytest.fixture(scope="module")
 def failing(ray_cluster, model_dir, tmp_path_factory):
-    with deployed(ray_cluster, model_dir, tmp_path_factory.mktemp("failure"), "failure", num_replicas=REPLICAS) as served:
+    with deployed(
+        ray_cluster, model_dir, tmp_path_factory.mktemp("failure"), "failure", num_replicas=REPLICAS
+    ) as served:
         yield served
 
 

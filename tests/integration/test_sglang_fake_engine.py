@@ -150,7 +150,9 @@ def test_sglang_engine_against_fake_server_profiles_steps_across_a_weight_update
         assert gap_choice["weight_versions"] == [spans(version, len(gap_choice["token_ids"]))]
 
         after = complete_concurrently(http, n=12, max_tokens=4)
-        assert all(ch["weight_versions"] == [spans(version, len(ch["token_ids"]))] for r in after for ch in r["choices"])
+        assert all(
+            ch["weight_versions"] == [spans(version, len(ch["token_ids"]))] for r in after for ch in r["choices"]
+        )
         probe_after = complete(http, **probe)["choices"][0]
         assert probe_after["logprobs"]["token_logprobs"] != probe_before["logprobs"]["token_logprobs"]
 
@@ -207,7 +209,7 @@ def stream_completion(http, **body) -> tuple[list[dict], bool]:
             if line == "data: [DONE]":
                 return chunks, True
             if line.startswith("data: "):
-                chunks.append(json.loads(line[len("data: "):]))
+                chunks.append(json.loads(line[len("data: ") :]))
     return chunks, False
 
 

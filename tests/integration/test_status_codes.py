@@ -166,8 +166,13 @@ def test_start_rejects_malformed_input(http, body, field):
 
 @pytest.mark.parametrize(
     "body,field",
-    [({"step": 0}, "step"), ({"step": "abc"}, "step"), ({}, "step"), ({"step": 1, "bogus": 1}, "bogus"),
-     ({"step": 1, "pause": "maybe"}, "pause")],
+    [
+        ({"step": 0}, "step"),
+        ({"step": "abc"}, "step"),
+        ({}, "step"),
+        ({"step": 1, "bogus": 1}, "bogus"),
+        ({"step": 1, "pause": "maybe"}, "pause"),
+    ],
 )
 def test_stop_rejects_malformed_input(http, body, field):
     assert_422_naming(http.post("/profile/stop", json=body), field)
@@ -313,7 +318,9 @@ TOKEN = "s3cret-s3cret-s3cret"
 def secure(ray_cluster, model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("secure")
     (tmp / "token").write_text(TOKEN + "\n")
-    with deployed(ray_cluster, model_dir, tmp, "secure", control_token_file=str(tmp / "token"), num_replicas=1) as served:
+    with deployed(
+        ray_cluster, model_dir, tmp, "secure", control_token_file=str(tmp / "token"), num_replicas=1
+    ) as served:
         yield served
 
 
@@ -329,9 +336,14 @@ CONTROL_CALLS = [
 
 def test_control_routes_need_the_token(secure):
     with client(secure.base_url) as c:
-        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN},
-                        {"Authorization": f"Basic {TOKEN}"}, {"Authorization": "Bearer"},
-                        {"Authorization": f"Bearer {TOKEN}2"}):
+        for headers in (
+            {},
+            {"Authorization": "Bearer wrong"},
+            {"Authorization": TOKEN},
+            {"Authorization": f"Basic {TOKEN}"},
+            {"Authorization": "Bearer"},
+            {"Authorization": f"Bearer {TOKEN}2"},
+        ):
             for method, path, body in CONTROL_CALLS:
                 r = c.request(method, path, json=body, headers=headers)
                 assert r.status_code == 401, (headers, path, r.status_code, r.text)

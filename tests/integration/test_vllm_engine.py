@@ -15,10 +15,8 @@ import asyncio
 import gzip
 import itertools
 import json
-import os
 import re
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +24,11 @@ import pytest
 import pytest_asyncio
 from conftest import deployed
 from integ_util import (
+    VLLM_ENV,
     client,
     complete,
     complete_concurrently,
+    direct_vllm_engine,
     ok,
     status,
     stop_if_active,
@@ -39,11 +39,6 @@ from integ_util import (
 pytestmark = pytest.mark.integration
 
 REPLICAS = 2
-VLLM_ENV = {
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-    "HF_HUB_OFFLINE": "1",
-}
 
 
 # -- the engine itself -------------------------------------------------------------------------
@@ -54,32 +49,8 @@ module_loop = pytest.mark.asyncio(loop_scope="module")
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engine(model_dir, tmp_path_factory) -> AsyncIterator:
     """One `VllmEngine` for the module, built on the module's event loop as a replica builds it."""
-    from profiling.manifest import ManifestEntry
-    from profiling.session import ProfileSession
-    from profiling.store import TraceStore
-    from serve_app.config import AppArgs
-    from serve_app.engines.vllm_engine import VllmEngine
-
-    os.environ.update(VLLM_ENV)
-    tmp = tmp_path_factory.mktemp("vllm-engine")
-    exporter = ThreadPoolExecutor(1, thread_name_prefix="export")
-    built = VllmEngine(
-        args=AppArgs(engine="vllm", vllm={"dtype": "float32", "max_model_len": 256}),
-        model_dir=model_dir,
-        session_factory=lambda backend_factory: ProfileSession(
-            store=TraceStore(tmp / "traces"),
-            entry_identity=ManifestEntry(role="rollout", replica_id="direct0"),
-            exporter=exporter,
-            backend_factory=backend_factory,
-        ),
-        trace_dir=tmp / "engine",
-    )
-    await built.opened()
-    try:
+    async with direct_vllm_engine(model_dir, tmp_path_factory.mktemp("vllm-engine")) as built:
         yield built
-    finally:
-        await built.shutdown()
-        exporter.shutdown(wait=True)
 
 
 def _request(stream: bool = False, prompt: list[int] = PROMPT, **sampling):

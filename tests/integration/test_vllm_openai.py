@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 from conftest import deployed
-from integ_util import client, ok, poll, status, stop_if_active, write_perturbed_weights
+from integ_util import VLLM_ENV, client, ok, poll, status, stop_if_active, write_perturbed_weights
 from openai_contract import (  # noqa: F401 - collected here, on vLLM
     spans_cover,
     test_chat_with_the_template,
@@ -35,7 +35,6 @@ from transformers import AutoTokenizer
 
 pytestmark = pytest.mark.integration
 
-VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "HF_HUB_OFFLINE": "1"}
 CONTEXT = 256  # the app's vllm.max_model_len
 LONG = 240  # output tokens of a completion long enough to straddle a weight sync (context 256)
 
@@ -84,7 +83,10 @@ def test_a_client_that_leaves_a_held_stream_frees_its_slot(vllm_app, http):
     ok(http.post("/profile/start", json={"step": step}))
     try:
         ok(http.post("/profile/stop", json={"step": step, "pause": True}))
-        with httpx.Client(base_url=vllm_app.base_url, timeout=60) as c, c.stream("POST", "/v1/completions", json=body) as resp:
+        with (
+            httpx.Client(base_url=vllm_app.base_url, timeout=60) as c,
+            c.stream("POST", "/v1/completions", json=body) as resp,
+        ):
             assert resp.status_code == 200
             poll(
                 lambda: [r["requests_in_flight"] for r in status(http)["replicas"]] == [1],
@@ -116,7 +118,10 @@ def test_weight_sync_mid_stream_splits_vllms_spans(vllm_app, http):
     before = None
     ok(http.post("/profile/start", json={"step": step}))
     try:
-        with httpx.Client(base_url=vllm_app.base_url, timeout=120) as c, c.stream("POST", "/v1/completions", json=body) as resp:
+        with (
+            httpx.Client(base_url=vllm_app.base_url, timeout=120) as c,
+            c.stream("POST", "/v1/completions", json=body) as resp,
+        ):
             assert resp.status_code == 200
             for line in resp.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":

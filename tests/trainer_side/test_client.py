@@ -19,6 +19,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
+from profiling.manifest import SyncCost
 from profiling.schedule import StepSchedule
 from serve_app.api import StatusResponse, UpdateWeightsResponse
 from trainer.client import RolloutClient, RolloutError, SyncRolloutClient
@@ -161,12 +162,17 @@ async def test_409_raises_rollout_error_with_detail_and_replica_failures(fake):
 
 
 async def test_503_is_retried_until_success(fake):
-    fake.script[("POST", "/weights/update")] = [(503, {"detail": "busy"}), (503, {"detail": "busy"}), (200, UPDATE_BODY)]
+    fake.script[("POST", "/weights/update")] = [
+        (503, {"detail": "busy"}),
+        (503, {"detail": "busy"}),
+        (200, UPDATE_BODY),
+    ]
     async with make_client(fake.base_url) as client:
         resp = await client.update_weights(1, "/w/v1.safetensors", resume=False)
     assert isinstance(resp, UpdateWeightsResponse) and resp.version == 1
     assert fake.attempts[("POST", "/weights/update")] == 3
-    assert all(r["json"] == {"version": 1, "path": "/w/v1.safetensors", "resume": False} for r in fake.requests)
+    body = {"version": 1, "source": "path", "path": "/w/v1.safetensors", "resume": False}
+    assert all(r["json"] == body for r in fake.requests)
 
 
 async def test_503_gives_up_after_the_retries(fake):
@@ -268,7 +274,10 @@ def test_repo_config_with_overrides():
     assert cfg.trainer.trigger_parameter_sync_step == 2  # untouched file value
 
 
-@pytest.mark.parametrize("override, key", [("trainer.no_such_key=1", "trainer.no_such_key"), ("global_profiler.stepz=[1]", "global_profiler.stepz")])
+@pytest.mark.parametrize(
+    "override, key",
+    [("trainer.no_such_key=1", "trainer.no_such_key"), ("global_profiler.stepz=[1]", "global_profiler.stepz")],
+)
 def test_unknown_key_names_the_dotted_key(override, key):
     with pytest.raises(ConfigError) as info:
         load_config(None, [override])
@@ -314,9 +323,10 @@ class FakeClient:
         if self.fail_stop:
             raise RolloutError("POST", "/profile/stop", 0, "cannot reach the app", [])
 
-    async def update_weights(self, version: int, path: str, *, resume: bool = True) -> None:
+    async def update_weights(self, version: int, path: str, *, resume: bool = True) -> UpdateWeightsResponse:
         self.calls.append(("update", version, resume))
         self.paths[version] = path
+        return UpdateWeightsResponse(version=version, replicas=[], load_s=0.01)
 
 
 def _record_syncs(schedule: StepSchedule, versions: range) -> tuple[FakeClient, list[list[tuple]]]:
@@ -424,29 +434,33 @@ def test_unprofiled_run_makes_no_profiling_call():
 class FakeInCluster:
     """Records what an InClusterWeights would publish through the object store."""
 
+    mode = "object_store"
+
     def __init__(self, client: FakeClient) -> None:
         self.client = client
 
-    async def update_weights(self, version: int, state_dict: dict, *, resume: bool = True) -> None:
+    async def update_weights(self, version: int, state_dict: dict, *, resume: bool = True) -> UpdateWeightsResponse:
         self.client.calls.append(("update_in_cluster", version, resume, sorted(state_dict)))
+        return UpdateWeightsResponse(version=version, replicas=[], transfer_s=0.02, load_s=0.01)
 
 
-def test_a_state_dict_goes_through_the_in_cluster_channel_in_the_same_order():
+def test_a_state_dict_goes_through_the_transport_in_the_same_order():
     client = FakeClient()
     state = {"w": torch.zeros(2)}
 
     async def publish() -> dict:
         return state
 
-    async def go() -> None:
-        sync = ProfiledWeightSync(StepSchedule([1, 2]), client, save_path=None, in_cluster=FakeInCluster(client))
+    async def go() -> SyncCost:
+        sync = ProfiledWeightSync(StepSchedule([1, 2]), client, save_path=None, transport=FakeInCluster(client))
         try:
             async with sync:
-                await sync.sync(1, publish)
+                return (await sync.sync(1, publish)).cost
         finally:
             sync.shutdown()
 
-    asyncio.run(go())
+    cost = asyncio.run(go())
+    assert (cost.transfer, cost.transfer_s, cost.load_s) == ("object_store", 0.02, 0.01), cost
     assert client.calls == [
         ("start", 1),
         ("stop", 1, True),
@@ -456,7 +470,7 @@ def test_a_state_dict_goes_through_the_in_cluster_channel_in_the_same_order():
     ]
 
 
-def test_a_state_dict_without_an_in_cluster_channel_is_refused_before_any_call():
+def test_a_state_dict_without_a_transport_is_refused_before_any_call():
     client = FakeClient()
 
     async def publish() -> dict:
@@ -466,10 +480,45 @@ def test_a_state_dict_without_an_in_cluster_channel_is_refused_before_any_call()
         sync = ProfiledWeightSync(StepSchedule([1, 2]), client, save_path=None)
         sync.active = 1  # step 1 is being profiled
         try:
-            with pytest.raises(TypeError, match="in_cluster=InClusterWeights"):
+            with pytest.raises(TypeError, match="transport=InClusterWeights"):
                 await sync.sync(1, publish)
         finally:
             sync.shutdown()
 
     asyncio.run(go())
     assert client.calls == [], "no stop may be sent for a sync that cannot update the weights"
+
+
+class FakeAdoptingClient(FakeClient):
+    """A FakeClient whose app is told a version the trainer moved itself (POST /weights/update
+    with source external)."""
+
+    async def adopt_weights(self, version: int, *, resume: bool = True) -> UpdateWeightsResponse:
+        self.calls.append(("adopt", version, resume))
+        return UpdateWeightsResponse(version=version, replicas=[], load_s=0.0)
+
+
+def test_bring_your_own_update_runs_between_the_stop_and_the_app_learning_the_version():
+    client = FakeAdoptingClient()
+
+    async def update(version: int) -> None:
+        client.calls.append(("own transfer", version))
+
+    async def go() -> SyncCost:
+        sync = ProfiledWeightSync(StepSchedule([1, 2]), client, save_path=None, update=update)
+        try:
+            async with sync:
+                return (await sync.sync(1)).cost
+        finally:
+            sync.shutdown()
+
+    cost = asyncio.run(go())
+    assert client.calls == [
+        ("start", 1),
+        ("stop", 1, True),
+        ("own transfer", 1),
+        ("adopt", 1, False),
+        ("start", 2),
+        ("stop", 2, False),
+    ]
+    assert cost.transfer == "external" and cost.transfer_s is not None and cost.publish_s is None, cost

@@ -137,3 +137,17 @@ def test_safe_name_rejects(name):
 def test_safe_name_rejects_trailing_newline(name):
     with pytest.raises(ValueError):
         check_safe_name(name)
+
+
+# -- weight transfer -----------------------------------------------------------------------
+def test_nccl_needs_collective_transfer_and_gpus():
+    from serve_app.config import AppArgs
+
+    with pytest.raises(ValidationError, match="collective_backend is only read with weight_transfer: collective"):
+        AppArgs(collective_backend="nccl", replica_num_gpus=1)
+    with pytest.raises(ValidationError, match="replica_num_gpus is 0"):
+        AppArgs(weight_transfer="collective", collective_backend="nccl")
+    assert (
+        AppArgs(weight_transfer="collective", collective_backend="nccl", replica_num_gpus=1).collective_backend
+        == "nccl"
+    )

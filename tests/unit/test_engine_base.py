@@ -17,7 +17,7 @@ from profiling.manifest import ManifestEntry
 from profiling.session import ProfileSession, SessionConflict, SessionSpec
 from profiling.store import TraceStore
 from serve_app.config import AppArgs
-from serve_app.engines.base import RolloutEngine
+from serve_app.engines.base import AdoptRefused, RolloutEngine
 from serve_app.engines.engine_profiler import EngineProfiler, recording_prefix
 from serve_app.engines.generation import GenerateDelta, GenerateRequest, SamplingSpec
 
@@ -41,7 +41,9 @@ class FakeProfiler(EngineProfiler):
 
     async def _engine_stop(self) -> None:
         await asyncio.sleep(FLUSH_S)
-        trace = {"traceEvents": [{"ph": "X", "cat": "user_annotation", "name": "execute_context_0(1)", "ts": 1, "dur": 1}]}
+        trace = {
+            "traceEvents": [{"ph": "X", "cat": "user_annotation", "name": "execute_context_0(1)", "ts": 1, "dur": 1}]
+        }
         (self.trace_dir / f"{self.prefix}_rank0.123.pt.trace.json").write_text(json.dumps(trace, indent=1))
         (self.trace_dir / f"{self.prefix}_rank0.profiler_out.txt").write_text("table")
         (self.trace_dir / f"{self.prefix}0_rank0.999.pt.trace.json").write_text("{}")  # another step's
@@ -231,3 +233,66 @@ async def test_the_window_s_requests_and_the_sync_s_hold_reach_the_step_s_entry(
     later = next(e for e in store.read_entries(4) if e.replica_id == "fake0")
     assert later.sync_held_s is None  # its stop did not pause
     await engine.shutdown()
+
+
+class FakeVersionedEngine(FakeProfilingEngine):
+    """A FAKE engine that reports a weight version of its own (as vLLM does) and stages a fake
+    collective transfer: `reported` is what the trainer's own transfer set."""
+
+    reported: int | None = None
+    staged: Path | None = None
+
+    async def _reported_version(self) -> int | None:
+        return self.reported
+
+    async def _receive_weights(self, transfer, first_rank, world_size, timeout_s) -> None:
+        self.staged = Path(self.checkpoint)
+
+    async def _staged_weights(self) -> Path:
+        assert self.staged is not None
+        return self.staged
+
+    async def _drop_staged(self) -> None:
+        self.staged = None
+
+
+@pytest.fixture
+def versioned(store, exporter, tmp_path, model_dir):
+    return FakeVersionedEngine(store, exporter, tmp_path / "engine" / "fake0", model_dir)
+
+
+async def test_adopt_does_a_loads_bookkeeping_without_loading_and_keeps_the_hold(versioned):
+    versioned.reported = 1
+    await versioned.adopt_weights(1, resume=False)
+    assert versioned.weight_version == 1 and versioned.loaded == [] and versioned.status().paused
+    assert "load" not in versioned.names()
+    versioned.reported = 2
+    await versioned.adopt_weights(2, resume=True)
+    assert versioned.weight_version == 2 and not versioned.status().paused
+    await versioned.shutdown()
+
+
+async def test_adopt_of_a_version_the_engine_does_not_report_names_it(versioned):
+    versioned.reported = 3
+    with pytest.raises(ValueError, match="the engine reports weight version 3, not 4"):
+        await versioned.adopt_weights(4, resume=True)
+    assert versioned.weight_version == 0
+    await versioned.shutdown()
+
+
+async def test_adopt_on_an_engine_without_a_version_of_its_own_is_refused(engine):
+    with pytest.raises(AdoptRefused, match="keeps no weight version of its own.*source path or collective"):
+        await engine.adopt_weights(1, resume=True)
+    assert engine.weight_version == 0
+    await engine.shutdown()
+
+
+async def test_staged_weights_load_like_a_path_and_are_dropped_after(versioned):
+    await versioned.receive_weights(None, 1, 2, 5.0)  # type: ignore[arg-type]  # the fake reads no transfer
+    await versioned.load_staged(1, resume=True)
+    assert versioned.loaded == [(Path(versioned.checkpoint), 1)] and versioned.staged is None
+    assert versioned.names() == ["pause", "load", "resume"]
+    await versioned.receive_weights(None, 1, 2, 5.0)  # type: ignore[arg-type]
+    await versioned.drop_staged()
+    assert versioned.staged is None and versioned.weight_version == 1
+    await versioned.shutdown()

@@ -10,8 +10,8 @@ one of the project's modules (else `pkg`). On that graph:
   starlette, uvicorn, httpx, requests) nor the outer packages (serve_app, trainer, tools);
 * serve_app/ imports neither trainer nor tools;
 * trainer/ imports from serve_app only the wire schema and the typed errors (serve_app.api,
-  serve_app.openai_api, serve_app.errors); trainer/local_app.py, the private local cluster that starts the app for the
-  main job, may also import serve_app.app, serve_app.net and serve_app.tiny_model;
+  serve_app.openai_api, serve_app.errors) and the collective wire protocol (serve_app.weight_wire);
+  trainer/local_app.py, the private local cluster that starts the app for the main job, may also import serve_app.app, serve_app.net and serve_app.tiny_model;
 * no import cycle joins the project's modules (a package's `__init__` is a module like any
   other), each one reported as a chain `a → b → … → a`.
 
@@ -39,7 +39,7 @@ FORBIDDEN: Mapping[str, tuple[str, ...]] = {
 }
 """Top-level names each package may not import."""
 
-TRAINER_MAY_IMPORT = ("serve_app.api", "serve_app.openai_api", "serve_app.errors")
+TRAINER_MAY_IMPORT = ("serve_app.api", "serve_app.openai_api", "serve_app.errors", "serve_app.weight_wire")
 LOCAL_APP_MAY_ALSO_IMPORT = ("serve_app.app", "serve_app.net", "serve_app.tiny_model")
 LOCAL_APP = "trainer.local_app"
 
@@ -307,11 +307,14 @@ def test_a_forbidden_from_import_is_reported(tmp_path):
         "profiling/store.py:2: `from serve_app import replica`: profiling/ must not import serve_app",
         "serve_app/replica.py:1: `from trainer.client import Client`: serve_app/ must not import trainer",
         "trainer/client.py:3: `from serve_app import replica`: trainer.client imports serve_app.replica; "
-        "trainer/ may import from serve_app only serve_app.api, serve_app.openai_api, serve_app.errors",
+        "trainer/ may import from serve_app only serve_app.api, serve_app.openai_api, serve_app.errors, "
+            "serve_app.weight_wire",
         "trainer/client.py:4: `from serve_app.app import build`: trainer.client imports serve_app.app; "
-        "trainer/ may import from serve_app only serve_app.api, serve_app.openai_api, serve_app.errors",
+        "trainer/ may import from serve_app only serve_app.api, serve_app.openai_api, serve_app.errors, "
+            "serve_app.weight_wire",
         "trainer/local_app.py:2: `from serve_app.replica import Replica`: trainer.local_app imports "
         "serve_app.replica; trainer/ may import from serve_app only serve_app.api, serve_app.openai_api, serve_app.errors, "
+            "serve_app.weight_wire, "
         "serve_app.app, serve_app.net, serve_app.tiny_model",
     ]
 

@@ -92,7 +92,7 @@ class FakeSession:
 def test_the_trainer_records_staleness_in_the_profiled_window(continuous):
     from trainer.profiled_sync import ProfiledWeightSync
 
-    sync = ProfiledWeightSync(StepSchedule([1, 2, 5], continuous=continuous), client=None, save_path=None)  # type: ignore[arg-type]
+    sync = ProfiledWeightSync(StepSchedule([1, 2, 5], continuous=continuous), client=None, save_path=None, drives=False)
     session = FakeSession()
     sync._session = session  # type: ignore[assignment]
     for version, lags in ((1, [0, 0]), (2, [1, 0]), (3, [2]), (4, [1]), (5, [1, 1])):

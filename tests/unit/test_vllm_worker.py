@@ -1,6 +1,8 @@
 """The worker side of vLLM profiling (serve_app/engines/vllm_worker.py) and the replica's view of
-it (`WorkerTrace`, `VllmCudaProfiler`), without vLLM: a stand-in `execute_model` takes the place of
-vLLM's worker method (the real one runs in tests/integration/test_vllm_engine.py)."""
+it (`WorkerTrace`, `VllmCudaProfiler`), the worker's weight staging over a real gloo group, and the
+engine RPC's argument mapping, with no vLLM engine running: a stand-in `execute_model` takes the
+place of vLLM's worker method (the real ones run in tests/integration/test_vllm_engine.py and
+test_vllm_collective.py)."""
 
 from __future__ import annotations
 
@@ -14,12 +16,14 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from profiling.config import ProfileOptions
 from profiling.session import SessionSpec
+from serve_app.api import CollectiveTransfer
 from serve_app.engines import vllm_engine
 from serve_app.engines.vllm_engine import VllmCudaProfiler, WorkerTrace
-from serve_app.engines.vllm_worker import WorkerExport, WorkerProfiler, WorkerStop, export_record
+from serve_app.engines.vllm_worker import WorkerExport, WorkerProfiler, WorkerStop, WorkerWeights, export_record
 
 MARKER = re.compile(r"^forward_step#(\d+) step=(\d+) weight_version=(\d+)$")
 
@@ -133,7 +137,9 @@ def test_the_replica_moves_each_ranks_trace_once_its_record_is_written(tmp_path)
 
 def test_a_failed_worker_export_or_none_at_all_fails_the_replicas_export(tmp_path, monkeypatch):
     export_record(tmp_path, "step1", 0).write_text(
-        WorkerExport(rank=0, forward_steps=1, error="the vLLM worker's trace export failed: disk full").model_dump_json()
+        WorkerExport(
+            rank=0, forward_steps=1, error="the vLLM worker's trace export failed: disk full"
+        ).model_dump_json()
     )
     with pytest.raises(RuntimeError, match="disk full"):
         WorkerTrace(tmp_path, "step1", 1, WorkerStop(forward_steps=1, weight_versions=[0])).export(tmp_path / "out")
@@ -163,3 +169,143 @@ def test_nsys_brackets_the_window_with_vllms_cuda_profiler_and_leaves_the_note(t
         loop.call_soon_threadsafe(loop.stop)
     assert calls == [("start", "step3"), ("stop",)]
     assert json.loads(note.read_text())["tool"] == "nsys"
+
+
+# -- weights by collective: the worker's staging (a real gloo group, in this process) -----------
+def collective_transfer(port: int, state: dict) -> CollectiveTransfer:
+    from serve_app.weight_wire import meta_of
+
+    return CollectiveTransfer(
+        address="127.0.0.1",
+        port=port,
+        group="sync-1",
+        bucket_bytes=1 << 10,  # several buckets for these tensors
+        tensors=[meta_of(n, t) for n, t in state.items()],
+    )
+
+
+def received(weights: WorkerWeights, state: dict) -> CollectiveTransfer:
+    """`state` broadcast by a publisher (rank 0, on a thread) to `weights` as rank 1 of 2."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from serve_app.net import free_port
+    from serve_app.weight_wire import open_group, send
+
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=20))
+    transfer = collective_transfer(port, state)
+
+    def publish() -> None:
+        send(open_group(store, transfer.group, 0, 2, 20.0, "gloo"), transfer, state, torch.device("cpu"))
+
+    publisher = threading.Thread(target=publish)
+    publisher.start()
+    assert weights.receive(transfer, rank=1, world_size=2, timeout_s=20.0, device=torch.device("cpu")) == (
+        transfer.total_bytes
+    )
+    publisher.join(20)
+    return transfer
+
+
+def checkpoint() -> dict:
+    gen = torch.Generator().manual_seed(0)
+    return {
+        "model.embed_tokens.weight": torch.randn(64, 8, generator=gen),
+        "model.layers.0.self_attn.q_proj.weight": torch.randn(8, 8, generator=gen).to(torch.bfloat16),
+        "model.norm.weight": torch.ones(8),
+    }
+
+
+def test_a_worker_stages_the_broadcast_then_loads_it_as_the_version_and_keeps_it_on_rank_0(tmp_path):
+    from safetensors.torch import load
+
+    state = checkpoint()
+    weights, profiler = WorkerWeights(rank=0), WorkerProfiler(rank=0, version=0)
+    received(weights, state)
+    assert weights.staged is not None and weights.staged.keys() == state.keys()
+    assert profiler.version == 0, "staging leaves the served weights (and their version) alone"
+
+    loaded: dict = {}
+    profiler.start(1, ProfileOptions(), "p", tmp_path)
+    weights.load(4, profiler, lambda tensors: loaded.update(tensors))
+    profiler.stop()
+    assert profiler.version == 4 and weights.staged is None
+    for name, tensor in state.items():
+        assert torch.equal(loaded[name], tensor) and loaded[name].dtype == tensor.dtype, name
+    snapshot = load(weights.snapshot())
+    assert snapshot.keys() == state.keys() and all(torch.equal(snapshot[n], t) for n, t in state.items())
+
+    weights.forget_served()  # a later load from a path: the kept copy is stale
+    with pytest.raises(RuntimeError, match="only weights loaded by collective are kept"):
+        weights.snapshot()
+
+
+def test_other_ranks_keep_nothing_and_a_load_without_staged_weights_or_after_a_drop_is_refused():
+    weights, profiler = WorkerWeights(rank=1), WorkerProfiler(rank=1, version=0)
+    received(weights, checkpoint())
+    weights.load(1, profiler, lambda tensors: None)
+    assert weights.served is None, "every worker receives the full checkpoint: rank 0 alone keeps it"
+    with pytest.raises(RuntimeError, match="no weights are staged on vLLM worker 1 for version 2"):
+        weights.load(2, profiler, lambda tensors: None)
+    received(weights, checkpoint())
+    weights.drop()
+    with pytest.raises(RuntimeError, match="no weights are staged"):
+        weights.load(2, profiler, lambda tensors: None)
+    assert profiler.version == 1
+
+
+def test_a_load_that_fails_keeps_the_version_and_the_staged_weights():
+    weights, profiler = WorkerWeights(rank=0), WorkerProfiler(rank=0, version=3)
+    received(weights, checkpoint())
+
+    def broken(tensors) -> None:
+        raise ValueError("shape mismatch")
+
+    with pytest.raises(ValueError, match="shape mismatch"):
+        weights.load(4, profiler, broken)
+    assert profiler.version == 3 and weights.staged is not None and weights.served is None
+
+
+# -- the engine RPC's argument mapping ----------------------------------------------------------
+def test_a_worker_function_travels_pickled_to_the_extension_in_every_call_form():
+    import cloudpickle
+
+    def fn(worker, path: str, strict: bool = False) -> str:
+        return f"{worker}:{path}:{strict}"
+
+    for args, kwargs in [
+        ((fn, None, ["/dev/shm/w"], {"strict": True}), {}),
+        ((fn,), {"args": ["/dev/shm/w"], "kwargs": {"strict": True}}),
+        ((), {"method": fn, "args": ("/dev/shm/w",), "kwargs": {"strict": True}}),
+    ]:
+        call_args, call_kwargs = vllm_engine._rpc_call("collective_rpc", args, kwargs)
+        assert call_args == ("rollout_rpc_function",) and call_kwargs["timeout"] is None
+        function, fn_args, fn_kwargs = call_kwargs["args"]
+        assert cloudpickle.loads(function)("w", *fn_args, **fn_kwargs) == "w:/dev/shm/w:True"
+    assert vllm_engine._rpc_call("collective_rpc", ("reload_weights",), {"kwargs": {}}) == (
+        ("reload_weights",),
+        {"kwargs": {}},
+    ), "a worker method's name goes to vLLM as it is"
+    with pytest.raises(ValueError, match=r"takes \(method, timeout=None, args=\(\), kwargs=None\) only"):
+        vllm_engine._rpc_call("collective_rpc", (fn, None, [], {}, "extra"), {})
+    with pytest.raises(ValueError, match="a worker method's name or a function"):
+        vllm_engine._rpc_call("collective_rpc", (3,), {})
+    for own in ("rollout_profiler_stop", "rollout_weights_load_staged", "rollout_rpc_function"):
+        with pytest.raises(ValueError, match="the replica's own worker method"):
+            vllm_engine._rpc_call("collective_rpc", (own,), {})
+
+
+def test_versions_must_be_integers_and_dicts_become_vllms_weight_transfer_requests():
+    from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
+
+    assert vllm_engine._rpc_call("update_weight_version", (7,), {}) == (("7",), {})
+    assert vllm_engine._rpc_call("finish_weight_update", (), {"weight_version": "8"}) == ((), {"weight_version": "8"})
+    for bad in ("v7", -1, True, 1.5):
+        with pytest.raises(ValueError, match="non-negative integer"):
+            vllm_engine._rpc_call("update_weight_version", (bad,), {})
+    ((init,), _) = vllm_engine._rpc_call("init_weight_transfer_engine", ({"master_port": 1},), {})
+    assert isinstance(init, WeightTransferInitRequest) and init.init_info == {"master_port": 1}
+    ((update,), _) = vllm_engine._rpc_call("update_weights", ({"names": ["a"]},), {})
+    assert isinstance(update, WeightTransferUpdateRequest) and update.update_info == {"names": ["a"]}

