@@ -225,6 +225,23 @@ class ReplicaReport(BaseModel):
     error: str | None = None
 
 
+class PerReplica(BaseModel):
+    """An `engine_rpc` argument that differs per replica (one handle call reaches every replica
+    alike): each replica's engine gets `values[<its replica id>]` (ids from `/profile/status`),
+    e.g. a rank offset in a process group the trainer forms with the engines."""
+
+    values: dict[str, Any]
+
+    def pick(self, replica_id: str) -> Any:
+        """This replica's value; ValueError naming the replica and the ids given when it has none."""
+        if replica_id not in self.values:
+            raise ValueError(
+                f"a PerReplica argument names no value for replica {replica_id} (it names {sorted(self.values)}); "
+                "give every replica of the app's /profile/status its own"
+            )
+        return self.values[replica_id]
+
+
 class EngineRpcReport(ReplicaReport):
     """One replica's answer to the ingress's `engine_rpc` (a handle call, never HTTP): what the
     engine's own method returned."""

@@ -132,6 +132,16 @@ class AppArgs(StrictModel):
                 "collective_backend: nccl moves weights between GPUs, but replica_num_gpus is 0: give each "
                 "replica a GPU (replica_num_gpus), or use collective_backend: gloo on CPU"
             )
+        if self.weight_transfer == "collective" and self.engine == "sglang":
+            # SGLang loads what update_weights_from_distributed receives at once, so it cannot
+            # stage a broadcast until every replica has it (docs/design.md#weights-by-collective).
+            raise ValueError(
+                "weight_transfer: collective is not supported with engine sglang (SGLang loads a broadcast "
+                "as it arrives, so a replica that fails mid-transfer would leave the others on mixed "
+                "weights): use weight_transfer: file, or move the weights with SGLang's own "
+                "update_weights_from_distributed and publish them with source external "
+                "(docs/sglang.md#the-trainers-own-transfer)"
+            )
         return self
 
     @field_validator("control_token_env")

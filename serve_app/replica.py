@@ -21,7 +21,7 @@ from ray import serve
 from profiling.manifest import ManifestEntry
 from profiling.session import ProfileSession, SessionConflict, SessionSpec
 from profiling.store import TraceStore
-from serve_app.api import CollectiveTransfer, EngineRpcReport, ReplicaReport
+from serve_app.api import CollectiveTransfer, EngineRpcReport, PerReplica, ReplicaReport
 from serve_app.async_streams import merged
 from serve_app.choices import ChoiceBuilder, JobAccepted, JobDone, JobResult, PromptJob, choice_index, sampling_for
 from serve_app.config import AppArgs
@@ -320,8 +320,11 @@ class RolloutReplica:
         return [ray.put(snapshot)]
 
     async def engine_rpc(self, method: str, args: list[Any], kwargs: dict[str, Any]) -> EngineRpcReport:
-        """`method(*args, **kwargs)` of the engine's own API (reached by handle only, never HTTP)."""
+        """`method(*args, **kwargs)` of the engine's own API (reached by handle only, never HTTP);
+        a `PerReplica` argument is replaced by this replica's value."""
         try:
+            args = [a.pick(self.replica_id) if isinstance(a, PerReplica) else a for a in args]
+            kwargs = {k: v.pick(self.replica_id) if isinstance(v, PerReplica) else v for k, v in kwargs.items()}
             result = await self.engine.engine_rpc(method, *args, **kwargs)
         except Exception as e:  # noqa: BLE001 - reported per replica
             return EngineRpcReport(

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncGenerator, Callable
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -65,6 +65,99 @@ class UpdateWeightsFromDiskAnswer(_Answer):
     success: bool
     message: str
     num_paused_requests: int | None = 0
+
+
+def _version_label(label: object) -> str:
+    """A weight version as SGLang keeps it for this app: the app's integer version, as a string
+    (the adapter reads SGLang's label back as that integer)."""
+    if isinstance(label, bool) or not isinstance(label, int | str) or not str(label).isdigit():
+        raise ValueError(
+            f"the weight version must be a non-negative integer (or its string, e.g. '3'), not {label!r}: "
+            "the replica reads SGLang's weight_version back as the app's integer version"
+        )
+    return str(int(label))
+
+
+VersionLabel = Annotated[str, BeforeValidator(_version_label)]
+
+
+class InitWeightsUpdateGroupBody(_Request):
+    """`POST /init_weights_update_group` (InitWeightsUpdateGroupReqInput): SGLang joins the
+    trainer's group as rank `rank_offset` + its tp_rank of `world_size`, through a TCP rendezvous
+    at `master_address:master_port` hosted by the trainer (rank 0)."""
+
+    master_address: str = Field(min_length=1)
+    master_port: int = Field(ge=1, le=65535)
+    rank_offset: int = Field(ge=1, description="Rank 0 is the trainer's.")
+    world_size: int = Field(ge=2)
+    group_name: str = Field("weight_update_group", min_length=1)
+    backend: str = Field("nccl", min_length=1)
+
+    @model_validator(mode="after")
+    def _rank_in_group(self) -> InitWeightsUpdateGroupBody:
+        if self.rank_offset >= self.world_size:
+            raise ValueError(f"rank_offset {self.rank_offset} is outside a group of world_size {self.world_size}")
+        return self
+
+
+class UpdateWeightsFromDistributedBody(_Request):
+    """`POST /update_weights_from_distributed` (UpdateWeightsFromDistributedReqInput): receive one
+    broadcast from the group (one tensor per name, in order, or one `flattened_bucket`) and load
+    it, then set `weight_version` and flush the cache."""
+
+    names: list[str] = Field(min_length=1)
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = Field("weight_update_group", min_length=1)
+    load_format: Literal["flattened_bucket"] | None = None
+    weight_version: VersionLabel | None = None
+    flush_cache: Literal[True] = True
+    """Always: no cached prefix computed on the old weights may serve the new ones."""
+
+    @model_validator(mode="after")
+    def _one_entry_per_tensor(self) -> UpdateWeightsFromDistributedBody:
+        if not len(self.names) == len(self.dtypes) == len(self.shapes):
+            raise ValueError(
+                f"names, dtypes and shapes give one entry per tensor: got {len(self.names)}, "
+                f"{len(self.dtypes)} and {len(self.shapes)}"
+            )
+        return self
+
+
+class DestroyWeightsUpdateGroupBody(_Request):
+    """`POST /destroy_weights_update_group` (DestroyWeightsUpdateGroupReqInput)."""
+
+    group_name: str = Field("weight_update_group", min_length=1)
+
+
+class BeginWeightUpdateBody(_Request):
+    """`POST /begin_weight_update` (BeginWeightUpdateReqInput): SGLang 0.5.23 loads a distributed
+    update only inside such a session (on every runner: `selector` keeps SGLang's "all")."""
+
+
+class EndWeightUpdateBody(_Request):
+    """`POST /end_weight_update` (EndWeightUpdateReqInput): close the session."""
+
+
+class UpdateWeightVersionBody(_Request):
+    """`POST /update_weight_version` (UpdateWeightVersionReqInput). `abort_all_requests` is always
+    sent: SGLang's default (true) would end every request the app's replica has in flight."""
+
+    new_version: VersionLabel
+    abort_all_requests: Literal[False] = False
+
+
+class WeightUpdateAnswer(_Answer):
+    """`{success, message}`: the answer of SGLang's weight routes (HTTP 400 when not successful)."""
+
+    success: bool
+    message: str
+
+
+class ModelInfoAnswer(_Answer):
+    """`GET /model_info` (the part this adapter reads)."""
+
+    weight_version: str | None = None
 
 
 class PauseGenerationBody(_Request):
@@ -278,6 +371,27 @@ class SglangClient:
                 status=resp.status_code,
             ) from e
 
+    async def get_for(self, route: str, answer: type[M]) -> M:
+        """GET `route` (a route that needs no engine step) and parse its JSON answer as `answer`."""
+        try:
+            resp = await self._http.get(route)
+        except httpx.HTTPError as e:
+            self.unreachable = f"{type(e).__name__}: {e}"
+            raise SglangError(
+                f"SGLang at {self.url} did not answer GET {route} ({self.unreachable}); "
+                "is the server running and reachable from this replica?"
+            ) from e
+        self.unreachable = None
+        if not resp.is_success:
+            raise SglangError(self.describe(route, resp, method="GET"), status=resp.status_code)
+        try:
+            return answer.model_validate_json(resp.content)
+        except ValidationError as e:
+            raise SglangError(
+                f"SGLang at {self.url} answered GET {route} with a body this adapter cannot read: {resp.text[:300]!r}; "
+                "is the server an SGLang 0.5.x?"
+            ) from e
+
     async def stream(self, route: str, body: BaseModel) -> AsyncGenerator[dict[str, Any], None]:
         """POST `body` to a streaming route; each server-sent `data: {...}` event as parsed JSON,
         until `data: [DONE]`. Closing this iterator closes the HTTP stream (SGLang aborts a
@@ -313,9 +427,9 @@ class SglangClient:
                 "is the server running and reachable from this replica?"
             ) from e
 
-    def describe(self, route: str, resp: httpx.Response) -> str:
+    def describe(self, route: str, resp: httpx.Response, *, method: str = "POST") -> str:
         """The error message for an unexpected answer, with the server log's tail on a 500."""
-        message = f"SGLang at {self.url} answered POST {route} with HTTP {resp.status_code}: {_detail(resp)}"
+        message = f"SGLang at {self.url} answered {method} {route} with HTTP {resp.status_code}: {_detail(resp)}"
         if resp.status_code >= 500:
             tail = self.log_tail()
             message += (

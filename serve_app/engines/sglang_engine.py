@@ -17,6 +17,10 @@
   new version, after it, while generation is paused (docs/sglang.md#forward-steps-and-weight-versions).
 * Weights: pause (`retract`: in-flight requests are kept, their KV cache is recomputed with the
   new weights), `POST /update_weights_from_disk` with `weight_version` and `flush_cache`, resume.
+* The trainer's own transfer (source external): a trainer reaches SGLang's distributed weight
+  update through the app's `engine_rpc` (`ENGINE_RPC_ROUTES`: init/destroy the group, begin/end
+  the update session, update_weights_from_distributed, update_weight_version); the app publishes
+  the version once `GET /model_info` reports it (docs/sglang.md#the-trainers-own-transfer).
 * Tools: `torch` (SGLang's torch profiler, activities CPU/GPU), `nsys` (activity CUDA_PROFILER:
   SGLang calls cudaProfilerStart/Stop; run the server under `nsys profile
   --capture-range=cudaProfilerApi`), `npu` (the same route on Ascend, where SGLang swaps in
@@ -37,7 +41,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from profiling.backends.base import ProfilerBackend
 from profiling.backends.nsys_profiler import REPORT_WHERE
@@ -50,11 +54,16 @@ from serve_app.engines.base import RolloutEngine
 from serve_app.engines.engine_profiler import EngineProfiler, EngineTrace
 from serve_app.engines.generation import GenerateDelta, GenerateRequest, TokenLogprobs
 from serve_app.engines.sglang_client import (
+    BeginWeightUpdateBody,
     ContinueGenerationBody,
+    DestroyWeightsUpdateGroupBody,
+    EndWeightUpdateBody,
     GenerateBody,
     GenerateChunk,
     GenerateMetaInfo,
+    InitWeightsUpdateGroupBody,
     LogprobEntry,
+    ModelInfoAnswer,
     PauseGenerationBody,
     SamplingParams,
     SglangClient,
@@ -62,6 +71,9 @@ from serve_app.engines.sglang_client import (
     StartProfileBody,
     UpdateWeightsFromDiskAnswer,
     UpdateWeightsFromDiskBody,
+    UpdateWeightsFromDistributedBody,
+    UpdateWeightVersionBody,
+    WeightUpdateAnswer,
 )
 from serve_app.engines.sglang_server import SglangServer, wait_ready
 from serve_app.openai_api import WeightVersionSpan
@@ -74,6 +86,39 @@ _ACTIVITIES = {"cpu": "CPU", "cuda": "GPU"}
 # is a bare HTTP 500).
 _NOT_IN_PROGRESS = "Profiling is not in progress"
 _LOG_SETTLE_S = 2.0  # uvicorn logs a route's exception just after sending the 500
+
+
+ENGINE_RPC_ROUTES: dict[str, tuple[str, type[BaseModel]]] = {
+    "init_weights_update_group": ("/init_weights_update_group", InitWeightsUpdateGroupBody),
+    "begin_weight_update": ("/begin_weight_update", BeginWeightUpdateBody),
+    "update_weights_from_distributed": ("/update_weights_from_distributed", UpdateWeightsFromDistributedBody),
+    "end_weight_update": ("/end_weight_update", EndWeightUpdateBody),
+    "destroy_weights_update_group": ("/destroy_weights_update_group", DestroyWeightsUpdateGroupBody),
+    "update_weight_version": ("/update_weight_version", UpdateWeightVersionBody),
+}
+"""The SGLang routes a trainer may call through the app's `engine_rpc`, by method name, with the
+body each takes (docs/sglang.md#the-trainers-own-transfer): those that move weights and set their
+version. Generation, pause, profiling and the disk load stay the replica's, whose state they would
+break."""
+
+
+def rpc_body(method: str, args: tuple[object, ...], kwargs: dict[str, object]) -> BaseModel:
+    """The body of engine RPC `method`: its fields as keyword arguments (or one dict); a value
+    that differs per replica (`rank_offset`) comes as a `PerReplica`, resolved by the replica.
+    ValueError: refused, with the reason."""
+    if method not in ENGINE_RPC_ROUTES:
+        raise ValueError(
+            f"engine RPC {method!r} is not allowed; a trainer may call these SGLang routes: "
+            f"{', '.join(ENGINE_RPC_ROUTES)} (docs/sglang.md#the-trainers-own-transfer)"
+        )
+    if len(args) > 1 or (args and not isinstance(args[0], dict)):
+        raise ValueError(f"engine RPC {method} takes its body's fields as keyword arguments (or one dict)")
+    fields: dict[str, object] = {**(args[0] if args else {}), **kwargs}  # type: ignore[dict-item]
+    try:
+        return ENGINE_RPC_ROUTES[method][1].model_validate(fields)
+    except ValidationError as e:
+        problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'body'}: {err['msg']}" for err in e.errors())
+        raise ValueError(f"engine RPC {method}: {problems}") from e
 
 
 def start_profile_body(prefix: str, options: ProfileOptions, trace_dir: Path) -> StartProfileBody:
@@ -120,7 +165,9 @@ class SglangTrace(EngineTrace):
         if firsts:
             self.forward_steps = sum(count_engine_steps(p, SGLANG_FORWARD) for p in firsts.values())
             # Versions only grow within a window: ordered by number, not by file name (v10 < v9).
-            self.weight_versions = sorted({v for p in firsts.values() if (v := sglang_trace_version(p.name)) is not None})
+            self.weight_versions = sorted(
+                {v for p in firsts.values() if (v := sglang_trace_version(p.name)) is not None}
+            )
         return paths
 
 
@@ -320,9 +367,7 @@ class ChunkReader:
             raise SglangError(
                 f"SGLang at {self._url} sent {len(entries)} logprobs ({len(tops)} top lists) for {new} new tokens"
             )
-        return [
-            TokenLogprobs(logprob=lp, top=_top(tops[i], k) if k else {}) for i, (lp, _, _) in enumerate(entries)
-        ]
+        return [TokenLogprobs(logprob=lp, top=_top(tops[i], k) if k else {}) for i, (lp, _, _) in enumerate(entries)]
 
     def _prompt_logprobs(self, meta: GenerateMetaInfo) -> list[TokenLogprobs | None]:
         k = self._sampling.prompt_logprobs or 0
@@ -437,13 +482,44 @@ class SglangEngine(RolloutEngine[Path]):
             await self._load(weights, version)
 
     async def _load(self, weights: Path, version: int) -> None:
-        staged = stage_weights(weights, self.trace_dir.with_name(f"{self.trace_dir.name}.weights"))  # SGLang loads a directory
+        staged = stage_weights(
+            weights, self.trace_dir.with_name(f"{self.trace_dir.name}.weights")
+        )  # SGLang loads a directory
         body = UpdateWeightsFromDiskBody(model_path=str(staged), weight_version=str(version))
         answer = await self._client.call_for(
             "/update_weights_from_disk", body, UpdateWeightsFromDiskAnswer, accept=(400,)
         )
         if not answer.success:
-            raise WeightsError(f"SGLang at {self._client.url} did not load {weights} as version {version}: {answer.message}")
+            raise WeightsError(
+                f"SGLang at {self._client.url} did not load {weights} as version {version}: {answer.message}"
+            )
+
+    async def _reported_version(self) -> int | None:
+        info = await self._client.get_for("/model_info", ModelInfoAnswer)
+        return None if info.weight_version is None else _version(info.weight_version)
+
+    async def _adopted(self, version: int) -> None:
+        """The trainer loaded `version` through SGLang's own update (which flushed SGLang's cache):
+        a continuous window's recording is split at the version, as for a load from disk."""
+        recording = self._recording
+        if recording is not None and recording.recording:
+            await recording.split(_loaded_already, version)
+
+    async def _engine_rpc(self, method: str, *args: object, **kwargs: object) -> object:
+        """One of SGLang's weight routes (`ENGINE_RPC_ROUTES`); SGLang's answer, or SglangError
+        with its message when it did not succeed."""
+        body = rpc_body(method, args, kwargs)
+        route = ENGINE_RPC_ROUTES[method][0]
+        resp = await self._client.call(route, body, accept=(400,))
+        try:
+            answer = WeightUpdateAnswer.model_validate_json(resp.content)
+        except ValidationError as e:
+            raise SglangError(self._client.describe(route, resp), status=resp.status_code) from e
+        if not answer.success:
+            raise SglangError(
+                f"SGLang at {self._client.url} refused {method}: {answer.message}", status=resp.status_code
+            )
+        return resp.json()
 
     def _healthy(self) -> bool:
         """False once the launched server has exited, or while the last call could not reach the
@@ -460,6 +536,10 @@ class SglangEngine(RolloutEngine[Path]):
         await self._client.aclose()
         if self._server is not None:
             await asyncio.to_thread(self._server.terminate)
+
+
+async def _loaded_already() -> None:
+    """The load of a source-external update: the trainer made it already."""
 
 
 def _version(reported: str) -> int:

@@ -66,6 +66,7 @@ class WeightRoutesMixin:
         `method(*args, **kwargs)` of every replica's engine (vLLM: a method of its AsyncLLM, such as
         `collective_rpc` with a worker method), concurrently, within `timeout_s` (default the app's
         control_timeout_s). Returns one EngineRpcReport per replica: `ok`, `error`, and `result`
-        (what the method returned); 503 when no replica ran it. Then `/weights/update` with
-        source external publishes the version (docs/design.md#weight-transfer)."""
+        (what the method returned); 503 when no replica ran it. An argument that differs per
+        replica (a rank offset) comes as `PerReplica(values={replica_id: value})`. Then
+        `/weights/update` with source external publishes the version (docs/design.md#weight-transfer)."""
         return await self.weight_control.engine_rpc(method, list(args), dict(kwargs or {}), timeout_s)

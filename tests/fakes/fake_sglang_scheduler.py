@@ -25,7 +25,12 @@ then `flush_cache`, whose failure is an assertion that kills the scheduler):
   ignores stop_token_ids), else the length; logprobs with `top_logprobs_num` and prompt logprobs
   from `logprob_start_len`;
 * weight versions (`sglang/srt/utils/weight_versions.py`): each chunk's `weight_version`, and on
-  the finished one the `weight_versions` spans over the output.
+  the finished one the `weight_versions` spans over the output;
+* SGLang's own distributed update (`scheduler_components/weight_updater.py`): a weight-update
+  session (`begin_weight_update`/`end_weight_update`) outside which `update_weights_from_distributed`
+  is refused; inside, the broadcast is received from the trainer's group
+  (tests/fakes/fake_sglang_weight_group.py), loaded, the version recorded, then the cache flushed,
+  a refused flush (requests still running) failing the call as in 0.5.23.
 
 Not copied: batching across requests inside one forward, KV cache, radix cache, the stream's
 hold-back of a possible stop-string prefix, stop_regex, grammars, logit_bias, n > 1 and beams,
@@ -42,7 +47,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +55,8 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file
+
+from fakes.fake_sglang_weight_group import WeightGroups
 
 log = logging.getLogger("fake_sglang")
 
@@ -300,6 +307,8 @@ class Scheduler:
         self.forwards: list[tuple[str, bool]] = []
         """Fake-only, for tests: (weight version, recorded by the profiler) of every forward."""
         self.profiler = ProfilerManager()
+        self.weight_groups = WeightGroups()
+        self._weight_session: dict[str, bool] | None = None
         self._cond = threading.Condition()
         self._controls: deque[tuple[Callable[[], Any], Future]] = deque()
         self._waiting: deque[Req] = deque()
@@ -416,20 +425,81 @@ class Scheduler:
                 state.update(load_file(str(f)))
         except Exception as e:  # noqa: BLE001 - SGLang reports any loader failure in the message
             return False, f"Failed to get weights iterator: {e}."
-        params = self.model.state_dict()
-        for name, tensor in state.items():
-            if name not in params:
-                return False, f"Failed to update weights: KeyError({name!r}).\nRolling back to original weights."
-            if tuple(tensor.shape) != tuple(params[name].shape):
-                return False, (
-                    f"Failed to update weights: Attempted to load weight ({tuple(tensor.shape)}) into parameter "
-                    f"({tuple(params[name].shape)}) for {name}.\nRolling back to original weights."
-                )
-        with torch.no_grad():
-            for name, tensor in state.items():
-                params[name].copy_(tensor.to(params[name].dtype))
+        if error := self._copy_in(state.items()):
+            return False, f"Failed to update weights: {error}.\nRolling back to original weights."
         log.info("Update weights end.")
         return True, "Succeeded to update model weights."
+
+    def _copy_in(self, named: Iterable[tuple[str, torch.Tensor]]) -> str | None:
+        """Copy `named` tensors into the model, checked first (the model's `load_weights`); the
+        error, as SGLang's message words it, if one does not fit."""
+        named = list(named)
+        params = self.model.state_dict()
+        for name, tensor in named:
+            if name not in params:
+                return f"KeyError({name!r})"
+            if tuple(tensor.shape) != tuple(params[name].shape):
+                return (
+                    f"Attempted to load weight ({tuple(tensor.shape)}) into parameter "
+                    f"({tuple(params[name].shape)}) for {name}"
+                )
+        with torch.no_grad():
+            for name, tensor in named:
+                params[name].copy_(tensor.to(params[name].dtype))
+        return None
+
+    # -- weights by SGLang's own distributed update (scheduler_components/weight_updater.py) -----
+    def begin_weight_update(self) -> tuple[bool, str]:
+        """Open a weight-update session (`update_weights_from_distributed` runs only inside one)."""
+        if self._weight_session is not None:
+            return False, "a weight-update session is already open; call end_weight_update() first"
+        self._weight_session = {"loaded_weights": False}
+        return True, "Success"
+
+    def end_weight_update(self) -> tuple[bool, str]:
+        if self._weight_session is None:
+            return False, "no weight-update session is open; call begin_weight_update() first"
+        self._weight_session = None
+        return True, "Success"
+
+    def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str,
+        load_format: str | None,
+        weight_version: str | None,
+        flush_cache: bool,
+    ) -> tuple[bool, str]:
+        """Receive one broadcast from the group and load it, then record the version and flush
+        the cache (whose refusal, with requests still running, fails the call in 0.5.23)."""
+        if self._weight_session is None:
+            return False, (
+                "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()"
+            )
+        try:
+            weights = self.weight_groups.receive(names, dtypes, shapes, group_name, load_format)
+        except Exception as e:  # noqa: BLE001 - SGLang answers any receive failure
+            message = f"Failed to receive weights: {e}"
+            log.error(message)
+            return False, message
+        if error := self._copy_in(weights):
+            message = (
+                f"Failed to update parameter online: {error}. The full weights of the ModelRunner are "
+                "partially updated. Please discard the whole weights."
+            )
+            log.error(message)
+            return False, message
+        self._weight_session["loaded_weights"] = True
+        if weight_version is not None:
+            self.set_weight_version(weight_version)
+        if flush_cache and not self._can_flush():
+            return False, (
+                "Weights were updated, but the cache was not flushed because requests are still running or "
+                "queued. Retract or finish them, then call /flush_cache."
+            )
+        return True, "Succeeded to update parameter online."
 
     # -- the loop ------------------------------------------------------------------------------
     def _loop(self) -> None:

@@ -29,13 +29,24 @@ them):
   answers `{success, message, num_paused_requests}` (400 when not loaded, the old weights keep
   serving), sets `weight_version`; with `flush_cache` and requests still running (no pause, or an
   `in_place` pause) the scheduler exits, as SGLang's failed cache-flush assertion makes it;
-* `POST /pause_generation {"mode": "abort"|"retract"|"in_place"}`, `POST /continue_generation`.
+* `POST /pause_generation {"mode": "abort"|"retract"|"in_place"}`, `POST /continue_generation`;
+* SGLang's own distributed weight update, each answering `{success, message}` (HTTP 400 when not
+  successful): `POST /init_weights_update_group` (joins the trainer's group as rank
+  `rank_offset` + 0, blocking until every member has: tests/fakes/fake_sglang_weight_group.py),
+  `POST /begin_weight_update`, `POST /update_weights_from_distributed` (receives the broadcast, one
+  tensor at a time in `names` order or one `flattened_bucket`, loads it, sets `weight_version`,
+  flushes the cache; refused outside a begin/end session), `POST /end_weight_update`,
+  `POST /destroy_weights_update_group`; and `POST /update_weight_version` (aborting every request
+  unless `abort_all_requests` is false, as SGLang does); `GET|POST /get_weights_by_name` (the
+  first `truncate_size` values of a parameter, flattened: tests read the fake's weights with it).
 
 Malformed bodies are HTTP 400 with SGLang's ErrorResponse shape. SGLang ignores unknown body
 fields; so does this fake, logging a warning, unless started with the fake-only flag
 `--fake-strict-fields`, which rejects them with a 400 naming the field (tests use it to catch a
 misspelt field in the adapter). Not faithful: see the scheduler module's docstring, and no
-batch requests, no other routes.
+batch requests, no other routes; a distributed update without a pause runs between batches
+(SGLang first waits, under its model-update lock, for the requests in flight to finish), and a
+CPU fake joins a group whose backend is "nccl" with gloo.
 """
 
 from __future__ import annotations
@@ -110,6 +121,50 @@ class UpdateWeightFromDiskReqInput(_Lenient):
     token_step: int = 0
     flush_cache: bool = True
     manifest: dict[str, Any] | None = None
+
+
+class InitWeightsUpdateGroupReqInput(_Lenient):
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+
+
+class UpdateWeightsFromDistributedReqInput(_Lenient):
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    load_format: str | None = None
+    selector: Literal["target", "draft", "all"] = "all"
+    torch_empty_cache: bool = False
+
+
+class DestroyWeightsUpdateGroupReqInput(_Lenient):
+    group_name: str = "weight_update_group"
+
+
+class UpdateWeightVersionReqInput(_Lenient):
+    new_version: str
+    abort_all_requests: bool = True
+
+
+class BeginWeightUpdateReqInput(_Lenient):
+    selector: Literal["target", "draft", "all"] = "all"
+
+
+class EndWeightUpdateReqInput(_Lenient):
+    pass
+
+
+class GetWeightsByNameReqInput(_Lenient):
+    name: str
+    truncate_size: int = 100
 
 
 class PauseGenerationReqInput(_Lenient):
@@ -344,6 +399,73 @@ def build_app(scheduler: Scheduler, *, strict_fields: bool = False, incremental_
         success, message = await server.control(load)
         content = {"success": success, "message": message, "num_paused_requests": 0}
         return JSONResponse(content, status_code=200 if success else 400)
+
+    def answer(success: bool, message: str) -> JSONResponse:
+        """The weight routes' `{success, message}`, HTTP 400 when not successful."""
+        return JSONResponse({"success": success, "message": message}, status_code=200 if success else 400)
+
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(obj: InitWeightsUpdateGroupReqInput) -> JSONResponse:
+        server.check_fields(obj, "/init_weights_update_group")
+        # On the scheduler thread, as SGLang's model runner joins: it blocks until every member has.
+        return answer(
+            *await server.control(
+                lambda: scheduler.weight_groups.init(
+                    obj.master_address, obj.master_port, obj.rank_offset, obj.world_size, obj.group_name, obj.backend
+                )
+            )
+        )
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(obj: DestroyWeightsUpdateGroupReqInput) -> JSONResponse:
+        server.check_fields(obj, "/destroy_weights_update_group")
+        return answer(*await server.control(lambda: scheduler.weight_groups.destroy(obj.group_name)))
+
+    @app.post("/begin_weight_update")
+    async def begin_weight_update(obj: BeginWeightUpdateReqInput) -> JSONResponse:
+        server.check_fields(obj, "/begin_weight_update")
+        return answer(*await server.control(scheduler.begin_weight_update))
+
+    @app.post("/end_weight_update")
+    async def end_weight_update(obj: EndWeightUpdateReqInput) -> JSONResponse:
+        server.check_fields(obj, "/end_weight_update")
+        return answer(*await server.control(scheduler.end_weight_update))
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(obj: UpdateWeightsFromDistributedReqInput) -> JSONResponse:
+        server.check_fields(obj, "/update_weights_from_distributed")
+        if obj.abort_all_requests:
+            await server.control(scheduler.abort_all)
+        success, message = await server.control(
+            lambda: scheduler.update_weights_from_distributed(
+                obj.names, obj.dtypes, obj.shapes, obj.group_name, obj.load_format, obj.weight_version, obj.flush_cache
+            )
+        )
+        if success and obj.weight_version is not None:
+            message += f" Weight version updated to {obj.weight_version}."
+        return answer(success, message)
+
+    @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
+    async def get_weights_by_name(obj: GetWeightsByNameReqInput) -> JSONResponse:
+        server.check_fields(obj, "/get_weights_by_name")
+
+        def read() -> list[float] | None:
+            param = scheduler.model.state_dict().get(obj.name)
+            return None if param is None else param.detach().flatten()[: obj.truncate_size].tolist()
+
+        values = await server.control(read)
+        if values is None:
+            return _bad_request("Get parameter by name failed")
+        return JSONResponse(values)
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(obj: UpdateWeightVersionReqInput) -> JSONResponse:
+        server.check_fields(obj, "/update_weight_version")
+        if obj.abort_all_requests:
+            await server.control(scheduler.abort_all)
+        await server.control(lambda: scheduler.set_weight_version(obj.new_version))
+        content = {"success": True, "message": f"Weight version updated to {obj.new_version}", "new_version": obj.new_version}
+        return JSONResponse(content)
 
     @app.post("/pause_generation")
     async def pause_generation(obj: PauseGenerationReqInput) -> JSONResponse:

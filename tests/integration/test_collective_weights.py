@@ -119,7 +119,7 @@ def test_external_source_needs_an_engine_that_reports_its_version(served):
         assert status(c)["weight_version"] == 1
 
 
-def test_replica_killed_mid_broadcast_fails_the_sync_named_and_a_restart_joins(served, big_model):
+def test_replica_killed_mid_broadcast_fails_the_sync_named_and_a_restart_joins(served, big_model, report_section):
     old = _state(big_model, seed=1)
     with client(served.base_url) as c:
         before = status(c)["replicas"]
@@ -131,7 +131,7 @@ def test_replica_killed_mid_broadcast_fails_the_sync_named_and_a_restart_joins(s
         assert count > 2, f"{count} buckets: too few to die between two"
         if i == 0:
             kill_replica(victim, {r["pid"] for r in before})
-            killed.append(i)
+            killed.append(count)
 
     t0 = time.monotonic()
     with pytest.raises(RolloutError) as failed:
@@ -139,6 +139,10 @@ def test_replica_killed_mid_broadcast_fails_the_sync_named_and_a_restart_joins(s
     elapsed = time.monotonic() - t0
     assert killed, "the sync failed before the first bucket went out"
     assert elapsed < TIMEOUT_S + 8.0, f"the failed sync took {elapsed:.1f}s, control_timeout_s={TIMEOUT_S}"
+    say = report_section("a replica killed mid-broadcast (tests/integration/test_collective_weights.py)")
+    say(
+        f"the sync failed after {elapsed:.2f} s (control_timeout_s {TIMEOUT_S:g}), the replica killed after bucket 1 of {killed[0]}"
+    )
     err = failed.value
     assert err.status == 503 and victim["replica_id"] in str(err), err
     assert "version 1 keeps serving" in err.detail, err.detail

@@ -151,3 +151,11 @@ def test_nccl_needs_collective_transfer_and_gpus():
         AppArgs(weight_transfer="collective", collective_backend="nccl", replica_num_gpus=1).collective_backend
         == "nccl"
     )
+
+
+def test_collective_transfer_is_refused_for_sglang_naming_the_alternatives():
+    from serve_app.config import AppArgs
+
+    with pytest.raises(ValidationError, match="not supported with engine sglang.*source external"):
+        AppArgs(engine="sglang", weight_transfer="collective")
+    assert AppArgs(engine="sglang").weight_transfer == "file"

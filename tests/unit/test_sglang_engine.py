@@ -172,7 +172,10 @@ def recorded_forwards(scheduler: Scheduler, version: str) -> int:
 
 def perturbed_weights(model_dir: Path, out: Path, seed: int) -> Path:
     gen = torch.Generator().manual_seed(seed)
-    state = {k: (v + 0.05 * torch.randn(v.shape, generator=gen)).contiguous() for k, v in load_file(str(model_dir / "model.safetensors")).items()}
+    state = {
+        k: (v + 0.05 * torch.randn(v.shape, generator=gen)).contiguous()
+        for k, v in load_file(str(model_dir / "model.safetensors")).items()
+    }
     save_file(state, str(out))
     return out
 
@@ -279,7 +282,9 @@ async def test_sglang_engine_against_fake_server_weight_update_sets_version_and_
     engine: SglangEngine, model_dir: Path, tmp_path: Path
 ):
     before = await generate(engine, req(max_tokens=4, temperature=0.0, logprobs=0))
-    load_s = await engine.update_weights(1, str(perturbed_weights(model_dir, tmp_path / "v1.safetensors", 1)), resume=True)
+    load_s = await engine.update_weights(
+        1, str(perturbed_weights(model_dir, tmp_path / "v1.safetensors", 1)), resume=True
+    )
     assert load_s > 0 and engine.weight_version == 1
     after = await generate(engine, req(max_tokens=4, temperature=0.0, logprobs=0))
     assert after.spans == [(1, 0, 4)] and after.logprobs != before.logprobs
@@ -363,7 +368,9 @@ async def test_sglang_engine_against_fake_server_rejects_out_of_range_prompts(en
         await generate(engine, req([10**6]))
 
 
-async def test_sglang_engine_against_fake_server_unhealthy_after_a_lost_call_until_a_probe_answers(engine: SglangEngine):
+async def test_sglang_engine_against_fake_server_unhealthy_after_a_lost_call_until_a_probe_answers(
+    engine: SglangEngine,
+):
     assert engine.healthy()
     engine._client.unreachable = "ReadError: connection reset"  # as a failed call leaves it
     assert not engine.healthy()
@@ -385,6 +392,7 @@ async def test_sglang_engine_against_fake_server_nsys_stop_already_done_is_read_
     (note,) = recording.recorded_files()
     assert note.name == "step8-nsys_capture.json"
     assert json.loads(note.read_text())["trace_written_here"] is False
+
 
 # -- sampling and streaming against the fake server --------------------------------------------
 
@@ -418,8 +426,16 @@ async def test_sglang_engine_against_fake_server_reads_incremental_streaming_out
 
 
 async def test_sglang_engine_against_fake_server_seed_makes_sampling_repeatable(engine: SglangEngine):
-    sampling = {"max_tokens": 12, "temperature": 1.3, "top_k": 40, "top_p": 0.95, "min_p": 0.01,
-                "repetition_penalty": 1.1, "presence_penalty": 0.2, "frequency_penalty": 0.1}
+    sampling = {
+        "max_tokens": 12,
+        "temperature": 1.3,
+        "top_k": 40,
+        "top_p": 0.95,
+        "min_p": 0.01,
+        "repetition_penalty": 1.1,
+        "presence_penalty": 0.2,
+        "frequency_penalty": 0.1,
+    }
     first = await generate(engine, req(seed=7, **sampling))
     again = await generate(engine, req(seed=7, stream=True, **sampling))
     assert again.token_ids == first.token_ids
@@ -467,7 +483,9 @@ async def test_sglang_engine_against_fake_server_stop_string_is_matched_in_the_t
 
 async def test_sglang_engine_against_fake_server_reports_prompt_logprobs_on_the_first_delta(engine: SglangEngine):
     prompt = [5, 6, 7, 8, 9]
-    result = await generate(engine, req(prompt, max_tokens=3, temperature=0.0, logprobs=1, prompt_logprobs=3, stream=True))
+    result = await generate(
+        engine, req(prompt, max_tokens=3, temperature=0.0, logprobs=1, prompt_logprobs=3, stream=True)
+    )
     first = result.deltas[0].prompt_logprobs
     assert first is not None and len(first) == len(prompt) and first[0] is None
     assert all(lp is not None and len(lp.top) == 3 and lp.logprob <= max(lp.top.values()) for lp in first[1:])
@@ -549,17 +567,41 @@ def test_sglang_start_profile_body_maps_tools_and_options(tmp_path: Path):
 
 def test_sglang_generate_body_maps_every_sampling_field():
     spec = SamplingSpec(
-        max_tokens=9, temperature=0.7, top_p=0.9, top_k=50, min_p=0.05, seed=3, stop=["\n\n", "END"],
-        stop_token_ids=[2, 7], min_tokens=0, repetition_penalty=1.2, presence_penalty=0.5,
-        frequency_penalty=-0.5, logprobs=2, prompt_logprobs=4, include_stop_str_in_output=True,
+        max_tokens=9,
+        temperature=0.7,
+        top_p=0.9,
+        top_k=50,
+        min_p=0.05,
+        seed=3,
+        stop=["\n\n", "END"],
+        stop_token_ids=[2, 7],
+        min_tokens=0,
+        repetition_penalty=1.2,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        logprobs=2,
+        prompt_logprobs=4,
+        include_stop_str_in_output=True,
     )
-    sent = generate_body(GenerateRequest(prompt_token_ids=[1, 2, 3], sampling=spec, stream=True)).model_dump(exclude_none=True)
+    sent = generate_body(GenerateRequest(prompt_token_ids=[1, 2, 3], sampling=spec, stream=True)).model_dump(
+        exclude_none=True
+    )
     assert sent == {
         "input_ids": [1, 2, 3],
         "sampling_params": {
-            "max_new_tokens": 9, "temperature": 0.7, "top_p": 0.9, "top_k": 50, "min_p": 0.05,
-            "sampling_seed": 3, "stop": ["\n\n", "END"], "stop_token_ids": [2, 7], "ignore_eos": False,
-            "min_new_tokens": 0, "repetition_penalty": 1.2, "presence_penalty": 0.5, "frequency_penalty": -0.5,
+            "max_new_tokens": 9,
+            "temperature": 0.7,
+            "top_p": 0.9,
+            "top_k": 50,
+            "min_p": 0.05,
+            "sampling_seed": 3,
+            "stop": ["\n\n", "END"],
+            "stop_token_ids": [2, 7],
+            "ignore_eos": False,
+            "min_new_tokens": 0,
+            "repetition_penalty": 1.2,
+            "presence_penalty": 0.5,
+            "frequency_penalty": -0.5,
             "no_stop_trim": True,
         },
         "stream": True,
@@ -609,14 +651,26 @@ def test_sglang_chunk_reader_reads_cumulative_and_incremental_streams_alike():
     cumulative = [
         chunk(ids[:1], 1, weight_version="default", **logprob_meta(lps[:1], ids[:1])),
         chunk(ids[:3], 3, weight_version="1", **logprob_meta(lps[:3], ids[:3])),
-        chunk(ids[:3], 3, done, weight_version="1", **logprob_meta(lps[:3], ids[:3]),
-              weight_versions=[{"version": "default", "start": 0, "end": 1}, {"version": "1", "start": 1, "end": 3}]),
+        chunk(
+            ids[:3],
+            3,
+            done,
+            weight_version="1",
+            **logprob_meta(lps[:3], ids[:3]),
+            weight_versions=[{"version": "default", "start": 0, "end": 1}, {"version": "1", "start": 1, "end": 3}],
+        ),
     ]
     incremental = [
         chunk(ids[:1], 1, weight_version="default", **logprob_meta(lps[:1], ids[:1])),
         chunk(ids[1:3], 3, weight_version="1", **logprob_meta(lps[1:3], ids[1:3])),
-        chunk([], 3, done, weight_version="1", **logprob_meta([], []),
-              weight_versions=[{"version": "default", "start": 0, "end": 1}, {"version": "1", "start": 1, "end": 3}]),
+        chunk(
+            [],
+            3,
+            done,
+            weight_version="1",
+            **logprob_meta([], []),
+            weight_versions=[{"version": "default", "start": 0, "end": 1}, {"version": "1", "start": 1, "end": 3}],
+        ),
     ]
     results = []
     for chunks in (cumulative, incremental):
@@ -625,7 +679,9 @@ def test_sglang_chunk_reader_reads_cumulative_and_incremental_streams_alike():
         assert reader.finished
     for r in results:
         assert [d.token_ids for d in r.deltas] == [[11], [12, 13], []]
-        assert [lp.logprob for lp in r.logprobs] == lps and all(list(lp.top) == [t] for lp, t in zip(r.logprobs, ids, strict=True))
+        assert [lp.logprob for lp in r.logprobs] == lps and all(
+            list(lp.top) == [t] for lp, t in zip(r.logprobs, ids, strict=True)
+        )
         # SGLang's launch label ("default") is our version 0; the exact spans come on the last chunk.
         assert [d.weight_version for d in r.deltas] == [0, 1, 1] and r.spans == [(0, 0, 1), (1, 1, 3)]
         assert r.finish_reason == "length" and r.stop_reason is None
@@ -670,10 +726,16 @@ def test_sglang_sse_lines_parse_as_sglang_writes_them():
 async def test_sglang_client_stream_yields_events_until_done_and_raises_error_events():
     def events(*lines: str) -> httpx.MockTransport:
         body = "".join(f"{line}\n\n" for line in lines).encode()
-        return httpx.MockTransport(lambda request: httpx.Response(200, content=body, headers={"content-type": "text/event-stream"}))
+        return httpx.MockTransport(
+            lambda request: httpx.Response(200, content=body, headers={"content-type": "text/event-stream"})
+        )
 
     body = generate_body(greedy(2, stream=True))
-    client = SglangClient("http://sglang.test", timeout_s=5, transport=events('data: {"a": 1}', 'data: {"a": 2}', "data: [DONE]", 'data: {"a": 3}'))
+    client = SglangClient(
+        "http://sglang.test",
+        timeout_s=5,
+        transport=events('data: {"a": 1}', 'data: {"a": 2}', "data: [DONE]", 'data: {"a": 3}'),
+    )
     assert [e async for e in client.stream("/generate", body)] == [{"a": 1}, {"a": 2}]
     await client.aclose()
     error = 'data: {"error": {"message": "top_p must be in (0, 1]", "code": 400}}'
@@ -682,8 +744,13 @@ async def test_sglang_client_stream_yields_events_until_done_and_raises_error_ev
         [e async for e in client.stream("/generate", body)]
     assert err.value.status == 400
     await client.aclose()
-    client = SglangClient("http://sglang.test", timeout_s=5, transport=httpx.MockTransport(
-        lambda request: httpx.Response(400, json={"error": "sampling_params: unknown field `topk`"})))
+    client = SglangClient(
+        "http://sglang.test",
+        timeout_s=5,
+        transport=httpx.MockTransport(
+            lambda request: httpx.Response(400, json={"error": "sampling_params: unknown field `topk`"})
+        ),
+    )
     with pytest.raises(SglangError, match="HTTP 400: sampling_params: unknown field `topk`") as err:
         [e async for e in client.stream("/generate", body)]
     assert err.value.status == 400
@@ -694,8 +761,16 @@ async def test_sglang_client_stream_yields_events_until_done_and_raises_error_ev
     ("status", "kwargs", "expected"),
     [
         (400, {"json": {"error": {"message": "input_ids cannot be empty."}}}, "input_ids cannot be empty."),
-        (400, {"json": {"object": "error", "message": "1 validation error: mode", "type": "Bad Request", "code": 400}}, "1 validation error: mode"),
-        (400, {"json": {"success": False, "message": "Failed to update weights: x", "num_paused_requests": 0}}, "Failed to update weights: x"),
+        (
+            400,
+            {"json": {"object": "error", "message": "1 validation error: mode", "type": "Bad Request", "code": 400}},
+            "1 validation error: mode",
+        ),
+        (
+            400,
+            {"json": {"success": False, "message": "Failed to update weights: x", "num_paused_requests": 0}},
+            "Failed to update weights: x",
+        ),
         (404, {"json": {"detail": "Not Found"}}, "Not Found"),
         (500, {"text": "Internal Server Error"}, "RuntimeError: Profiling is not in progress"),
     ],
@@ -765,3 +840,136 @@ def test_sglang_server_command_that_does_not_exist_names_the_setting(tmp_path: P
     with pytest.raises(RuntimeError, match="sglang.server_command"):
         SglangServer([str(tmp_path / "no-such-sglang")], [], tmp_path, tmp_path / "server.log")
 
+
+# -- the trainer's own transfer: SGLang's distributed update through engine_rpc -----------------
+
+
+TRAINER = """
+import sys
+import torch.distributed as dist
+from safetensors.torch import load_file
+from fakes.fake_sglang_weight_group import init_custom_process_group
+
+state = load_file(sys.argv[2])
+group = init_custom_process_group(
+    backend="gloo", init_method=f"tcp://127.0.0.1:{sys.argv[1]}", world_size=2, rank=0, group_name="g"
+)
+for tensor in state.values():
+    dist.broadcast(tensor, src=0, group=group)
+sys.stdin.readline()  # the server's side is gone: the group (and the store this rank hosts) may go
+dist.destroy_process_group(group)
+"""
+"""Rank 0 of the weight-update group: a trainer process (torch keeps one registry of group names
+per process, so it cannot share this one with the in-process fake), formed as SGLang forms it."""
+
+
+async def move_by_distributed_update(engine: SglangEngine, weights: Path, version: str | None) -> None:
+    """What a trainer does through the app's engine_rpc (docs/examples/byo_sglang_transfer.py)."""
+    import subprocess
+
+    state = load_file(str(weights))
+    port = free_port()
+    tests_dir = str(Path(__file__).resolve().parents[1])
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", TRAINER, str(port), str(weights)], cwd=tests_dir, stdin=subprocess.PIPE, text=True
+    )
+    try:
+        answer = await engine.engine_rpc(
+            "init_weights_update_group",
+            master_address="127.0.0.1", master_port=port, rank_offset=1, world_size=2, group_name="g",
+            backend="gloo",
+        )  # fmt: skip
+        assert answer == {"success": True, "message": "Succeeded to initialize custom process group."}
+        await engine.engine_rpc("begin_weight_update")
+        meta = {
+            "names": list(state),
+            "dtypes": [str(t.dtype).removeprefix("torch.") for t in state.values()],
+            "shapes": [list(t.shape) for t in state.values()],
+        }
+        await engine.engine_rpc(
+            "update_weights_from_distributed", {**meta, "group_name": "g", "weight_version": version}
+        )
+        await engine.engine_rpc("end_weight_update")
+        await engine.engine_rpc("destroy_weights_update_group", group_name="g")
+        assert await asyncio.to_thread(trainer.communicate, "done\n", 60) and trainer.returncode == 0
+    finally:
+        trainer.kill()
+
+
+async def test_sglang_engine_against_fake_server_adopts_a_version_the_trainer_moved_by_sglangs_own_update(
+    engine: SglangEngine, fake: tuple[str, Scheduler], model_dir: Path, tmp_path: Path, spec
+):
+    """A continuous window across the trainer's own transfer: SGLang's recording is split at the
+    adopted version, as for a load from disk, and the fake holds the trainer's tensors."""
+    weights = perturbed_weights(model_dir, tmp_path / "v1.safetensors", 1)
+    state = load_file(str(weights))
+    assert await engine.start_profile(spec(1, steps=[1, 2], max_forward_steps=None))
+    before = await generate(engine, greedy(3))
+    await engine.stop_profile(None, pause=True)  # the sync's hold
+    with pytest.raises(ValueError, match="reports weight version 0, not 1"):
+        await engine.adopt_weights(1, resume=False)
+    await move_by_distributed_update(engine, weights, "1")
+    await engine.adopt_weights(1, resume=True)
+    assert engine.weight_version == 1 and not engine.status().paused
+    after = await generate(engine, greedy(4))
+    await engine.stop_profile(1, pause=True)
+    entry = await engine.wait_exported(1, 30)
+    assert entry is not None and entry.status == "ok", entry
+    assert [sglang_trace_version(Path(f).name) for f in entry.files] == [0, 1], entry.files
+    assert before.spans == [(0, 0, 3)] and after.spans == [(1, 0, 4)]
+    served = fake[1].model.state_dict()
+    assert all(torch.equal(served[name], tensor) for name, tensor in state.items())
+
+
+async def test_sglang_engine_against_fake_server_a_transfer_without_weight_version_is_not_adopted(
+    engine: SglangEngine, model_dir: Path, tmp_path: Path
+):
+    await move_by_distributed_update(engine, perturbed_weights(model_dir, tmp_path / "v1.safetensors", 1), None)
+    with pytest.raises(ValueError, match="the engine reports weight version 0, not 1"):
+        await engine.adopt_weights(1, resume=True)
+    assert engine.weight_version == 0
+
+
+async def test_sglang_engine_rpc_refusals_name_the_cause(engine: SglangEngine):
+    with pytest.raises(ValueError, match="'update_weights_from_disk' is not allowed.*init_weights_update_group"):
+        await engine.engine_rpc("update_weights_from_disk", model_path="/x")
+    with pytest.raises(
+        SglangError, match="refused update_weights_from_distributed: update_weights_from_distributed must run between"
+    ):
+        await engine.engine_rpc("update_weights_from_distributed", names=["a"], dtypes=["float32"], shapes=[[1]])
+    with pytest.raises(
+        SglangError, match="refused destroy_weights_update_group: The group to be destroyed does not exist"
+    ):
+        await engine.engine_rpc("destroy_weights_update_group", group_name="none")
+
+
+def test_sglang_rpc_bodies_are_sglangs_fields_checked():
+    from serve_app.engines.sglang_engine import rpc_body
+
+    group = {"master_address": "10.0.0.1", "master_port": 29500, "world_size": 3}
+    body = rpc_body("init_weights_update_group", (), {**group, "rank_offset": 2})
+    assert body.model_dump() == {**group, "rank_offset": 2, "group_name": "weight_update_group", "backend": "nccl"}
+    with pytest.raises(ValueError, match="rank_offset 3 is outside a group of world_size 3"):
+        rpc_body("init_weights_update_group", (), {**group, "rank_offset": 3})
+    meta = {"names": ["a", "b"], "dtypes": ["float32"], "shapes": [[1], [2]]}
+    with pytest.raises(ValueError, match="one entry per tensor: got 2, 1 and 2"):
+        rpc_body("update_weights_from_distributed", ({**meta},), {})
+    meta["dtypes"] = ["float32", "float32"]
+    with pytest.raises(ValueError, match="weight_version.*non-negative integer"):
+        rpc_body("update_weights_from_distributed", (), {**meta, "weight_version": "v3"})
+    with pytest.raises(ValueError, match="flush_cache"):
+        rpc_body("update_weights_from_distributed", (), {**meta, "flush_cache": False})
+    with pytest.raises(ValueError, match="abort_all_requests: Extra inputs"):
+        rpc_body("update_weights_from_distributed", (), {**meta, "abort_all_requests": True})
+    body = rpc_body("update_weight_version", (), {"new_version": 4})
+    assert body.model_dump() == {"new_version": "4", "abort_all_requests": False}
+
+
+def test_a_per_replica_argument_gives_each_replica_its_own_value():
+    """engine_rpc's one handle call reaches every replica alike: a PerReplica picks by replica id."""
+    from serve_app.api import PerReplica
+
+    offsets = PerReplica(values={"r-a": 1, "r-b": 2})
+    assert (offsets.pick("r-a"), offsets.pick("r-b")) == (1, 2)
+    with pytest.raises(ValueError, match=r"names no value for replica r-c \(it names \['r-a', 'r-b'\]\)"):
+        offsets.pick("r-c")

@@ -25,7 +25,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from fakes import fake_sglang_scheduler, fake_sglang_server
+from fakes import fake_sglang_scheduler, fake_sglang_server, fake_sglang_weight_group
 from fakes.fake_sglang_scheduler import step_span_name, trace_file_name
 from fastapi.routing import APIRoute
 from pydantic import BaseModel
@@ -267,8 +267,13 @@ ADAPTER_BODIES: dict[str, type[BaseModel]] = {
     "/generate": sglang_client.GenerateBody,
     "/pause_generation": sglang_client.PauseGenerationBody,
     "/continue_generation": sglang_client.ContinueGenerationBody,
+    # The weight routes a trainer reaches through engine_rpc, each with the body it is held to.
+    **dict(sglang_engine.ENGINE_RPC_ROUTES.values()),
 }
 """The body the adapter sends on each route (sglang_client.py)."""
+
+FAKE_TEST_ROUTES = {"/get_weights_by_name"}
+"""Routes of SGLang's that the fake serves for tests to read it (the adapter never calls them)."""
 
 
 def route_problems(
@@ -330,7 +335,7 @@ def test_sglang_package_serves_every_route_the_fake_and_the_adapter_use(sglang_r
 def test_sglang_package_request_classes_have_every_field_the_fake_and_the_adapter_use(sglang_routes, io_structs):
     fake = {path: set(body.model_fields) for path, (_, body) in fake_routes().items() if body is not None}
     adapter = {path: set(body.model_fields) for path, body in ADAPTER_BODIES.items()}
-    assert set(fake) == set(adapter), "the fake reads a body on exactly the routes the adapter sends one"
+    assert set(fake) - FAKE_TEST_ROUTES == set(adapter), "the fake reads a body on exactly the routes the adapter sends one"
     problems = body_problems(sglang_routes, io_structs, fake, "the fake")
     problems += body_problems(sglang_routes, io_structs, adapter, "the adapter")
     # What the fake's scheduler takes from a profile request, and the sampling keywords.
@@ -360,6 +365,38 @@ def test_sglang_package_labels_each_forward_as_the_fake_does_and_the_adapter_cou
         assert name == step_span_name(mode, bs, toks) and name.startswith(SGLANG_FORWARD), name
 
 
+def process_group_problems(sglang: ast.Module, fake: ast.Module) -> list[str]:
+    """Whether the fake forms its weight-update group with SGLang's `init_custom_process_group`,
+    statement for statement (docstrings and comments aside)."""
+
+    def body(tree: ast.Module) -> str:
+        fn = _function(tree, "init_custom_process_group")
+        stmts = fn.body[1:] if ast.get_docstring(fn) else fn.body
+        return ast.dump(ast.Module(body=[*stmts], type_ignores=[])) + ast.dump(fn.args)
+
+    if body(sglang) != body(fake):
+        return ["the fake's init_custom_process_group is not SGLang's (tests/fakes/fake_sglang_weight_group.py)"]
+    return []
+
+
+@needs_sglang
+def test_sglang_package_forms_the_weight_update_group_as_the_fake_does():
+    fake = ast.parse(inspect.getsource(fake_sglang_weight_group))
+    assert not process_group_problems(_tree("srt/utils/common.py"), fake)
+    # SGLang's model runner joins as rank_offset + tp_rank, by TCP rendezvous at the trainer's address.
+    init = ast.unparse(
+        _function(_tree("srt/model_executor/model_runner_components/weight_updater.py"), "init_weights_update_group")
+    )
+    assert "rank = rank_offset + self.tp_rank" in init and "init_method=na.to_tcp()" in init, init
+
+
+def test_sglang_package_group_check_fails_on_a_drifted_group_formation():
+    fake = ast.parse(inspect.getsource(fake_sglang_weight_group))
+    assert not process_group_problems(fake, fake)
+    drifted = ast.parse(inspect.getsource(fake_sglang_weight_group).replace("store.set_timeout(timeout)", "pass"))
+    assert process_group_problems(drifted, fake)
+
+
 # -- the checkers fail on drift (no SGLang needed: they get SGLang's side as data) ---------------
 
 SGLANG_SAMPLE = ast.parse('''
@@ -373,12 +410,22 @@ class ProfileReq(BaseReq):
     output_dir: Optional[str] = None
     profile_prefix: Optional[str] = None
 
+class InitWeightsUpdateGroupReqInput(BaseReq, kw_only=True):
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+
 @app.api_route("/start_profile", methods=["GET", "POST"])
 async def start_profile_async(obj: Annotated[Optional[ProfileReq], Body()] = None): ...
 
 @app.get("/health")
 @app.get("/health_generate")
 async def health(request): ...
+
+@app.post("/init_weights_update_group")
+async def init_weights_update_group(obj: Annotated[InitWeightsUpdateGroupReqInput, Body()], request): ...
 
 @app.post(os.environ.get("SOME_ROUTE", "/api/chat"))
 async def chat(request): ...
@@ -391,6 +438,7 @@ def test_sglang_package_checkers_read_routes_and_fields_as_sglang_declares_them(
         "/start_profile": ({"GET", "POST"}, "ProfileReq"),
         "/health": ({"GET"}, None),
         "/health_generate": ({"GET"}, None),
+        "/init_weights_update_group": ({"POST"}, "InitWeightsUpdateGroupReqInput"),
     }
     assert class_fields(SGLANG_SAMPLE)["ProfileReq"] == {"rid", "output_dir", "profile_prefix"}
 
@@ -409,6 +457,12 @@ def test_sglang_package_checkers_fail_on_a_drifted_route_method_or_field(monkeyp
     assert body_problems(routes, classes, {"/start_profile": {"output_dir", "profile_prefixx"}}, "the fake") == [
         "the fake /start_profile (ProfileReq): 'profile_prefixx' is not a field in SGLang test"
     ]
+    # A made-up drift of SGLang's weight-update group request: the adapter's body (which has
+    # `backend`, absent from this sample's class) is caught.
+    init_fields = set(sglang_client.InitWeightsUpdateGroupBody.model_fields)
+    assert body_problems(routes, classes, {"/init_weights_update_group": init_fields}, "the adapter") == [
+        "the adapter /init_weights_update_group (InitWeightsUpdateGroupReqInput): 'backend' is not a field in SGLang test"
+    ]
     assert body_problems(routes, classes, {"/health": {"x"}}, "the adapter") == [
         "the adapter: SGLang test has no request class for /health"
     ]
@@ -421,3 +475,5 @@ def test_sglang_package_checks_see_what_the_fake_really_serves_and_sends():
     assert routes["/start_profile"] == ({"GET", "POST"}, fake_sglang_server.ProfileReqInput)
     assert routes["/generate"][1] is fake_sglang_server.GenerateReqInput
     assert {"/start_profile", "/stop_profile", "/update_weights_from_disk", "/generate"} <= adapter_routes()
+    assert {"/model_info", "/update_weights_from_distributed", "/init_weights_update_group"} <= adapter_routes()
+    assert routes["/update_weights_from_distributed"][1] is fake_sglang_server.UpdateWeightsFromDistributedReqInput

@@ -1,0 +1,159 @@
+"""docs/examples/byo_sglang_transfer.py, run as a user runs it (a second Ray driver in the app's
+cluster), against a 2-replica app with engine sglang, each replica driving its own FAKE SGLang
+server (tests/fakes/fake_sglang_server.py: NOT SGLang, which needs CUDA): a trainer moving weights
+itself by SGLang's update_weights_from_distributed, with the profiled steps around it.
+
+The example's run publishes versions 1 and 2 (steps 1 and 2 profiled); the failing variant then
+continues from version 2 and never sets SGLang's weight_version.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+import torch
+from conftest import deployed
+from safetensors.torch import load_file
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO_ROOT / "docs" / "examples" / "byo_sglang_transfer.py"
+FAKE_SERVER = REPO_ROOT / "tests" / "fakes" / "fake_sglang_server.py"
+REPLICAS = 2
+
+
+@pytest.fixture(scope="module")
+def sglang_app(ray_cluster, model_dir, tmp_path_factory):
+    with deployed(
+        ray_cluster,
+        model_dir,
+        tmp_path_factory.mktemp("byosglang"),
+        "byosglang",
+        engine="sglang",
+        num_replicas=REPLICAS,
+        control_timeout_s=90.0,
+        sglang={
+            "server_command": [sys.executable, str(FAKE_SERVER)],
+            "server_args": ["--fake-strict-fields"],  # a misspelt field in the adapter's bodies fails
+            "startup_timeout_s": 180,
+            "request_timeout_s": 90,
+        },
+    ) as served:
+        yield served
+
+
+def run_example(app, model_dir: Path, *extra: str) -> subprocess.CompletedProcess:
+    import ray
+
+    return subprocess.run(
+        [
+            sys.executable, str(EXAMPLE),
+            "--url", app.base_url,
+            "--app-name", app.name,
+            "--ray-address", ray.get_runtime_context().gcs_address,
+            "--save-path", str(app.save_path),
+            "--model-path", str(model_dir),
+            *extra,
+        ],  # fmt: skip
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=420,
+    )
+
+
+def log(proc: subprocess.CompletedProcess) -> str:
+    return f"--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-4000:]}"
+
+
+def wait_manifest(save_path: Path, step: int, timeout: float) -> dict:
+    """step_<k>/manifest.json once it is complete (or its last state when the time is up)."""
+    path = save_path / f"step_{step}" / "manifest.json"
+    deadline = time.monotonic() + timeout
+    manifest: dict = {}
+    while time.monotonic() < deadline:
+        if path.exists():
+            manifest = json.loads(path.read_text())
+            if manifest.get("status") == "complete":
+                break
+        time.sleep(0.5)
+    return manifest
+
+
+def complete(app) -> dict:
+    answer = httpx.post(
+        f"{app.base_url}/v1/completions",
+        json={"model": app.args.get("model_name", "tiny-llama"), "prompt": "One two three", "max_tokens": 6},
+        timeout=120.0,
+    )
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+def fake_server_urls(model_dir: Path) -> list[str]:
+    """The fake SGLang servers serving `model_dir` (launched by this module's replicas)."""
+    urls = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmd = proc.info["cmdline"] or []
+        if str(FAKE_SERVER) in cmd and str(model_dir) in cmd:
+            urls.append(f"http://{cmd[cmd.index('--host') + 1]}:{cmd[cmd.index('--port') + 1]}")
+    return urls
+
+
+def served_weights(url: str, names: list[str], sizes: dict[str, int]) -> dict[str, torch.Tensor]:
+    """The fake's weights, read with SGLang's /get_weights_by_name (flattened)."""
+    out = {}
+    for name in names:
+        answer = httpx.post(f"{url}/get_weights_by_name", json={"name": name, "truncate_size": sizes[name]}, timeout=60)
+        assert answer.status_code == 200, answer.text
+        out[name] = torch.tensor(answer.json())
+    return out
+
+
+def test_the_trainers_own_transfer_by_sglangs_distributed_update_is_profiled_and_served(
+    sglang_app, model_dir, tmp_path
+):
+    sent = tmp_path / "sent.safetensors"
+    proc = run_example(sglang_app, model_dir, "--save-weights", str(sent))
+    assert proc.returncode == 0, log(proc)
+    assert "v1: " in proc.stdout and "v2: " in proc.stdout, log(proc)
+    for k in (1, 2):
+        m = wait_manifest(sglang_app.save_path, k, timeout=180.0)
+        assert m["status"] == "complete", m
+        rollout = [e for e in m["entries"] if e["role"] == "rollout"]
+        assert len(rollout) == REPLICAS and all(e["status"] == "ok" and e["weight_version"] == k - 1 for e in rollout), m
+        (trainer,) = [e for e in m["entries"] if e["role"] == "trainer"]
+        assert trainer["sync"]["transfer"] == "external", trainer["sync"]
+    status = httpx.get(f"{sglang_app.base_url}/profile/status", timeout=30.0).json()
+    assert status["weight_version"] == 2 and not status["paused"], status
+    assert [r["weight_version"] for r in status["replicas"]] == [2] * REPLICAS, status
+    assert complete(sglang_app)["choices"][0].get("weight_version") == 2
+    # Every fake SGLang holds exactly the tensors the trainer broadcast.
+    state = load_file(str(sent))
+    names = sorted(state)
+    urls = fake_server_urls(model_dir)
+    assert len(urls) == REPLICAS, urls
+    for url in urls:
+        got = served_weights(url, names, {n: state[n].numel() for n in names})
+        for name in names:
+            assert torch.equal(got[name], state[name].float().flatten()), (url, name)
+
+
+def test_a_transfer_that_leaves_sglangs_version_unset_fails_the_sync_naming_the_replica(sglang_app, model_dir):
+    proc = run_example(sglang_app, model_dir, "--versions", "1", "--skip-version-update")
+    assert proc.returncode != 0, log(proc)
+    err = proc.stderr
+    assert "the engine reports weight version 2, not 3" in err, log(proc)
+    replicas = httpx.get(f"{sglang_app.base_url}/profile/status", timeout=30.0).json()["replicas"]
+    assert any(r["replica_id"] in err for r in replicas), log(proc)
+    status = httpx.get(f"{sglang_app.base_url}/profile/status", timeout=30.0).json()
+    assert status["weight_version"] == 2, "the app keeps the version every replica reported"
+
