@@ -29,26 +29,19 @@ step 2, to show the sync failing: the app names each replica and the version its
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import datetime
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
 
+import byo_loop  # docs/examples/byo_loop.py: the trainer loop both examples share
 import torch
 import torch.distributed as dist
 
-from profiling.config import GlobalProfilerConfig, ProfileOptions
-from profiling.schedule import StepSchedule
 from serve_app.api import PerReplica
 from trainer.client import RolloutClient
 from trainer.distributed import free_port
-from trainer.policy import Policy, Sample
-from trainer.profiled_sync import ProfiledWeightSync
-
-GLOBAL_PROFILER = {"tool": "torch", "steps": [1, 2], "profile_continuous_steps": False}
-TRAINER_PROFILER = {"activities": ["cpu"], "max_forward_steps": 200}
-PROMPTS = ["The rollout server", "One two three", "Red green blue", "A weight update"]
+from trainer.policy import Policy
 
 
 def init_custom_process_group(
@@ -157,89 +150,17 @@ class SglangDistributedTransfer:
             raise RuntimeError(f"engine rpc {method} failed on {len(failed)} replica(s): {'; '.join(failed)}")
 
 
-async def fit(args: argparse.Namespace) -> None:
-    """Continue from the version the app serves: `args.versions` more, each after one fit step."""
-    cfg = GlobalProfilerConfig.model_validate({**GLOBAL_PROFILER, "save_path": args.save_path})
-    executor = ThreadPoolExecutor(1, thread_name_prefix="actor")
-    loop = asyncio.get_running_loop()
-    actor = await loop.run_in_executor(executor, Policy, args.model_path, 0.05, 0.2, 0)
-    target = actor.token_id(" the")
-    async with RolloutClient(args.url, control_token=args.control_token) as client:
-        first = (await client.status()).weight_version
-        move = SglangDistributedTransfer(
-            args.app_name, client, actor, executor, backend=args.backend, set_version=not args.skip_version_update
-        )
-        sync = ProfiledWeightSync(
-            StepSchedule.from_config(cfg),
-            client,
-            save_path=cfg.save_path,
-            options=ProfileOptions.model_validate(TRAINER_PROFILER),
-            model_executor=executor,
-            update=move,
-        )
-        await sync.begin(first)  # version 0: starts step 1 if profiled
-        failed = True
-        try:
-            for version in range(first + 1, first + args.versions + 1):
-                answer = await client.complete(PROMPTS, max_tokens=8, logprobs=1)
-                batch = [
-                    Sample(
-                        prompt_ids=c.prompt_token_ids,
-                        completion_ids=c.token_ids,
-                        logprobs=c.logprobs.token_logprobs if c.logprobs else [],
-                        weight_version=c.weight_version,
-                        reward=c.token_ids.count(target) / max(1, len(c.token_ids)),
-                    )
-                    for c in answer.choices
-                ]
-
-                def update_actor(batch: list[Sample] = batch, on: int = version - 1) -> float:
-                    with sync.fit_step(on):
-                        return actor.train_step(batch)
-
-                loss = await loop.run_in_executor(executor, update_actor)
-                # stop step k (holding generation) -> move(k) -> source external (checked) -> start k+1
-                report = await sync.sync(version)
-                cost = report.cost
-                print(
-                    f"v{version}: loss {loss:+.3f}, transfer {cost.transfer_s or 0:.3f} s, update {cost.update_s or 0:.3f} s"
-                )
-            failed = False
-        finally:
-            await sync.end(failed=failed)  # stop whatever is active, also after an error
-        await sync.wait_exported()
-        if args.save_weights:  # the weights of the last version sent
-            await loop.run_in_executor(executor, lambda: actor.save(args.save_weights))
-        sync.shutdown()
-
-
 def main(argv: list[str] | None = None) -> None:
-    """Parse the options, join the app's Ray cluster and run the loop."""
-    from pathlib import Path
-
-    import ray
-
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--url", default="http://127.0.0.1:8000", help="the app's base URL")
-    parser.add_argument("--app-name", default="rollout", help="the app's Serve application name")
-    parser.add_argument("--ray-address", default="auto", help="the app's Ray cluster")
-    parser.add_argument("--control-token", default=None, help="the app's control token, if it has one")
-    parser.add_argument("--save-path", default="/tmp/rollout-profiler/traces", help="the app's save_path")
-    parser.add_argument("--model-path", default=None, help="the app's initial checkpoint (default: its tiny Llama)")
-    parser.add_argument("--versions", type=int, default=2, help="weight versions to publish")
-    parser.add_argument("--backend", default="gloo", help="the group's backend: gloo (CPU) or nccl (GPUs)")
-    parser.add_argument("--save-weights", type=Path, default=None, help="write the last version's weights here")
-    parser.add_argument("--skip-version-update", action="store_true", help="show the failure: SGLang's version unset")
-    args = parser.parse_args(argv)
-    if args.model_path is None:
-        from serve_app.tiny_model import ensure_tiny_model
-
-        args.model_path = str(ensure_tiny_model())
-    ray.init(address=args.ray_address, log_to_driver=False)
-    try:
-        asyncio.run(fit(args))
-    finally:
-        ray.shutdown()
+    """Parse the options, join the app's Ray cluster and run the loop (docs/examples/byo_loop.py)."""
+    p = byo_loop.parser(__doc__.split("\n")[0])
+    p.add_argument("--backend", default="gloo", help="the group's backend: gloo (CPU) or nccl (GPUs)")
+    args = p.parse_args(argv)
+    byo_loop.run(
+        args,
+        lambda a, client, actor, executor: SglangDistributedTransfer(
+            a.app_name, client, actor, executor, backend=a.backend, set_version=not a.skip_version_update
+        ),
+    )
 
 
 if __name__ == "__main__":

@@ -72,8 +72,10 @@ async def fit(args: argparse.Namespace) -> None:
                 # verl's _fit_update_weights: stop step k -> update_weights(k) -> start step k+1.
                 path = Path(args.weights_dir) / f"v{version}.safetensors"
                 report = await sync.sync(version, lambda p=path: loop.run_in_executor(executor, actor.save, p))
-                print(f"v{version}: loss {loss:+.3f}, sync {report.plan.control_calls} profiling call(s), "
-                      f"update {report.cost.update_s * 1000:.0f} ms")
+                print(
+                    f"v{version}: loss {loss:+.3f}, sync {report.plan.control_calls} profiling call(s), "
+                    f"update {report.cost.update_s * 1000:.0f} ms"
+                )
         await sync.wait_exported()  # the trainer's traces are written before the process exits
         sync.shutdown()
     print(f"profiled steps {cfg.steps} under {Path(cfg.save_path).resolve()}: python -m profiling list {cfg.save_path}")
@@ -83,7 +85,11 @@ def main(argv: list[str] | None = None) -> None:
     """Parse the options and run the loop."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="the app's base URL")
-    parser.add_argument("--control-token", default=None, help="the app's control token (its control_token_env or control_token_file), if it has one")
+    parser.add_argument(
+        "--control-token",
+        default=None,
+        help="the app's control token (its control_token_env or control_token_file), if it has one",
+    )
     parser.add_argument("--save-path", default="/tmp/rollout-profiler/traces", help="the app's save_path")
     parser.add_argument("--weights-dir", default="/tmp/rollout-profiler/weights", help="the app's weights_dir")
     parser.add_argument("--model-path", default=None, help="the app's initial checkpoint (default: its tiny Llama)")
