@@ -18,13 +18,14 @@ MARKER = re.compile(r"<!-- snippet: (?P<path>[^#\s]+)#(?P<region>[\w-]+) -->\n``
 
 
 def region(path: Path, name: str) -> str:
-    """The dedented lines between the region's start and end markers."""
+    """The dedented lines between the region's start and end markers, without trailing blank lines."""
     lines = path.read_text().splitlines(keepends=True)
     starts = [i for i, line in enumerate(lines) if line.strip() == f"# --8<-- [start:{name}]"]
     ends = [i for i, line in enumerate(lines) if line.strip() == f"# --8<-- [end:{name}]"]
     if len(starts) != 1 or len(ends) != 1 or ends[0] < starts[0]:
         raise ValueError(f"{path.name} has no single region {name!r}")
-    return textwrap.dedent("".join(lines[starts[0] + 1 : ends[0]]))
+    # Blank lines before the end marker are the formatter's spacing, not the snippet's.
+    return textwrap.dedent("".join(lines[starts[0] + 1 : ends[0]])).rstrip("\n") + "\n"
 
 
 def snippet_problems(root: Path) -> list[str]:
