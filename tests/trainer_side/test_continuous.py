@@ -51,7 +51,9 @@ def test_continuous_window_spans_the_update_and_records_everything(deployed, mod
     for entry in rollout:
         rid = entry["replica_id"]
         assert entry["status"] == "ok" and entry["weight_version"] == 0, entry
-        assert entry["weight_versions"] == [0, 1], entry
+        # A replica the load balancer sent no request between the update and the stop ran nothing
+        # on version 1; across the replicas both versions are recorded (versions_seen below).
+        assert entry["weight_versions"] in ([0], [0, 1]), entry
         traces = entry_traces(step_dir, entry)
         updates = [v for t in traces for v in weight_update_versions(t)]
         assert updates == [1], f"{rid}: weight_update ranges {updates}, expected exactly version 1"
