@@ -121,7 +121,7 @@ def main(
                     if i >= 10:
                         alone.append(took)
                         alone_health.append(bare)
-        step = {n: 0 for n in SIZES}
+        step = dict.fromkeys(SIZES, 0)
 
         def cycle(n: int) -> float:
             step[n] += 1

@@ -38,6 +38,7 @@ from profiling.manifest import (
     SessionRecord,
     SyncCost,
 )
+from profiling.markers import format_forward_step
 from profiling.store import MERGED_TRACE, TraceStore
 
 console = Console()
@@ -84,18 +85,21 @@ def write_trace(
             _event(
                 f,
                 first,
-                f'  {{"ph": "M", "name": "{name}", "ts": {to_ts(t):.3f}, "pid": {pid}, "tid": 0, "args": {{"{key}": {value}}}}}',
+                f'  {{"ph": "M", "name": "{name}", "ts": {to_ts(t):.3f}, '
+                f'"pid": {pid}, "tid": 0, "args": {{"{key}": {value}}}}}',
             )
         _event(
             f,
             first,
-            f'  {{"ph": "M", "name": "process_labels", "ts": {to_ts(t):.3f}, "pid": 0, "tid": 0, "args": {{"labels": "GPU 0"}}}}',
+            f'  {{"ph": "M", "name": "process_labels", "ts": {to_ts(t):.3f}, '
+            '"pid": 0, "tid": 0, "args": {"labels": "GPU 0"}}',
         )
         marker = f"clock_sync start pid={pid}"
         _event(
             f,
             first,
-            f'  {{"ph": "X", "cat": "user_annotation", "name": "{marker}", "pid": {pid}, "tid": {pid}, "ts": {to_ts(t):.3f}, "dur": 10.000}}',
+            f'  {{"ph": "X", "cat": "user_annotation", "name": "{marker}", '
+            f'"pid": {pid}, "tid": {pid}, "ts": {to_ts(t):.3f}, "dur": 10.000}}',
         )
         samples["start"] = ClockSample(marker=marker, wall_before_ns=t - 20_000, wall_after_ns=t + 30_000)
         t += 100_000
@@ -113,23 +117,29 @@ def write_trace(
                     f'      "Input Dims": [[8, 128], [128, 128]], "Input type": ["float", "float"]\n    }}\n  }}'
                 )
                 body.append(
-                    f'  {{"ph": "X", "cat": "cpu_op", "name": "aten::empty", "pid": {pid}, "tid": {pid}, "ts": {to_ts(t + 2_000):.3f}, "dur": 5.000, "args": {{"External id": {corr}}}}}'
+                    f'  {{"ph": "X", "cat": "cpu_op", "name": "aten::empty", "pid": {pid}, "tid": {pid}, '
+                    f'"ts": {to_ts(t + 2_000):.3f}, "dur": 5.000, "args": {{"External id": {corr}}}}}'
                 )
                 body.append(
-                    f'  {{"ph": "X", "cat": "kernel", "name": "{KERNELS[j % 3]}", "pid": 0, "tid": 7, "ts": {to_ts(t + 10_000):.3f}, "dur": 18.000, "args": {{"correlation": {corr}, "stream": 7, "grid": [128, 1, 1]}}}}'
+                    f'  {{"ph": "X", "cat": "kernel", "name": "{KERNELS[j % 3]}", "pid": 0, "tid": 7, '
+                    f'"ts": {to_ts(t + 10_000):.3f}, "dur": 18.000, '
+                    f'"args": {{"correlation": {corr}, "stream": 7, "grid": [128, 1, 1]}}}}'
                 )
                 body.append(
-                    f'  {{"ph": "s", "id": {corr}, "pid": {pid}, "tid": {pid}, "ts": {to_ts(t):.3f}, "cat": "ac2g", "name": "ac2g"}}'
+                    f'  {{"ph": "s", "id": {corr}, "pid": {pid}, "tid": {pid}, '
+                    f'"ts": {to_ts(t):.3f}, "cat": "ac2g", "name": "ac2g"}}'
                 )
                 body.append(
-                    f'  {{"ph": "f", "id": {corr}, "pid": 0, "tid": 7, "ts": {to_ts(t + 10_000):.3f}, "cat": "ac2g", "name": "ac2g", "bp": "e"}}'
+                    f'  {{"ph": "f", "id": {corr}, "pid": 0, "tid": 7, '
+                    f'"ts": {to_ts(t + 10_000):.3f}, "cat": "ac2g", "name": "ac2g", "bp": "e"}}'
                 )
                 t += 40_000
-            name = f"forward_step#{i} step={step} weight_version={version}"
+            name = format_forward_step(i, step, version)
             _event(
                 f,
                 first,
-                f'  {{"ph": "X", "cat": "user_annotation", "name": "{name}", "pid": {pid}, "tid": {pid}, "ts": {to_ts(fwd_start - 1_000):.3f}, "dur": {(t - fwd_start + 2_000) / 1000:.3f}}}',
+                f'  {{"ph": "X", "cat": "user_annotation", "name": "{name}", "pid": {pid}, "tid": {pid}, '
+                f'"ts": {to_ts(fwd_start - 1_000):.3f}, "dur": {(t - fwd_start + 2_000) / 1000:.3f}}}',
             )
             for text in body:
                 _event(f, first, text)
@@ -139,7 +149,8 @@ def write_trace(
         _event(
             f,
             first,
-            f'  {{"ph": "X", "cat": "user_annotation", "name": "{marker}", "pid": {pid}, "tid": {pid}, "ts": {to_ts(t):.3f}, "dur": 10.000}}',
+            f'  {{"ph": "X", "cat": "user_annotation", "name": "{marker}", '
+            f'"pid": {pid}, "tid": {pid}, "ts": {to_ts(t):.3f}, "dur": 10.000}}',
         )
         samples["stop"] = ClockSample(marker=marker, wall_before_ns=t - 20_000, wall_after_ns=t + 30_000)
         f.write("\n  ]\n}\n")
@@ -238,7 +249,8 @@ def main(
         merged = store.step_dir(1) / MERGED_TRACE
         offsets = ", ".join(f"{a.key} {a.offset_ns / 1e6:+.1f} ms" for a in record.processes)
         console.print(
-            f"merged {record.events:,} events into {merged.stat().st_size / 1e6:.0f} MB in {wall:.1f} s; clock offsets: {offsets}"
+            f"merged {record.events:,} events into {merged.stat().st_size / 1e6:.0f} MB in {wall:.1f} s; "
+            f"clock offsets: {offsets}"
         )
         console.print(
             f"peak RSS of the merge: {rss / 2**20:.0f} MiB (imports alone: {base_rss / 2**20:.0f} MiB)"

@@ -40,7 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +52,7 @@ from rich.console import Console
 from rich.table import Table
 
 from serve_app.app import parse_args
-from serve_app.engines.options import VllmOptions
+from serve_app.engines.vllm.options import VllmOptions
 from serve_app.net import free_port
 from serve_app.tiny_model import ensure_tiny_model
 from trainer.local_app import local_cluster, run_app
@@ -136,7 +136,9 @@ def _wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: f
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             tail = log.read_text(errors="replace")[-3000:]
-            raise RuntimeError(f"the reference server exited with {proc.returncode} while starting; its log ends:\n{tail}")
+            raise RuntimeError(
+                f"the reference server exited with {proc.returncode} while starting; its log ends:\n{tail}"
+            )
         with contextlib.suppress(httpx.HTTPError):
             if httpx.get(f"{url}/v1/models", timeout=5).status_code == 200:
                 return
@@ -155,7 +157,9 @@ def vllm_server_command(python: str, model_dir: str, name: str, opts: VllmOption
     return [*cmd, "--enforce-eager"] if opts.enforce_eager else cmd
 
 
-def ray_serve_llm_command(python: str, model_dir: str, name: str, opts: VllmOptions, port: int, num_cpus: float) -> list[str]:
+def ray_serve_llm_command(
+    python: str, model_dir: str, name: str, opts: VllmOptions, port: int, num_cpus: float
+) -> list[str]:
     """Ray Serve LLM's OpenAI app (benchmarks/ray_serve_llm_app.py) under `python`, whose
     environment has the vLLM Ray Serve LLM pins."""
     return [
@@ -211,35 +215,49 @@ def _title(pid: int) -> bytes:
     return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]
 
 
-def _engine_role(pid: int, root: int, root_name: str) -> str:
-    """EngineCore, worker or `root_name` for a process of a vLLM frontend's tree."""
-    if pid == root:
+def _engine_role(pid: int, roots: Collection[int], root_name: str) -> str:
+    """EngineCore, worker or `root_name` (for one of `roots`) for a process of a vLLM frontend's
+    tree."""
+    if pid in roots:
         return root_name
     title = _title(pid)
     return "vLLM EngineCore" if b"EngineCore" in title else "vLLM worker" if b"Worker" in title else "vLLM helpers"
 
 
 def _role(
-    pid: int, me: int, ref: str, ref_root: int, ref_tree: set[int], replica_root: int | None, app_tree: set[int]
+    pid: int,
+    me: int,
+    ref: str,
+    ref_root: int,
+    ref_tree: set[int],
+    replica_roots: Collection[int],
+    app_tree: set[int],
+    named: Mapping[int, str],
 ) -> str:
+    if pid in named:
+        return named[pid]
     if pid in ref_tree:
-        return f"{ref}: " + _engine_role(pid, ref_root, "API server" if ref == VLLM else "launcher")
+        return f"{ref}: " + _engine_role(pid, (ref_root,), "API server" if ref == VLLM else "launcher")
     if pid in app_tree:
-        return f"{APP}: " + _engine_role(pid, replica_root or -1, "replica")
+        return f"{APP}: " + _engine_role(pid, replica_roots, "replica")
     if pid == me:
         return "load generator (this process)"
     title = _title(pid)
     return next((role for marker, role in _OUR_RAY_ROLES if title.startswith(marker)), "Ray: system")
 
 
-def cpu_by_role(ref: str, ref_root: int, replica_root: int | None) -> dict[str, float]:
+def cpu_by_role(
+    ref: str, ref_root: int, replica_roots: Collection[int], named: Mapping[int, str] | None = None
+) -> dict[str, float]:
     """CPU seconds (user + system) used so far by every process on this machine, by role. Ours
-    descend from this process (the local Ray's processes, the reference server `ref` and what it
-    started); the rest are other users of the machine."""
+    descend from this process (the local Ray's processes, the app's rollout replicas
+    `replica_roots` and their engines, the reference server `ref` and what it started); the rest
+    are other users of the machine. `named`: pids of ours whose role the caller names (a load
+    generator in a child process), this process's included."""
     me = os.getpid()
     ours = set(_descendants(me))
     ref_tree = set(_descendants(ref_root))
-    app_tree = set(_descendants(replica_root)) if replica_root else set()
+    app_tree = {pid for root in replica_roots for pid in _descendants(root)}
     cpu: dict[str, float] = {}
     for p in Path("/proc").iterdir():
         if not p.name.isdigit():
@@ -248,20 +266,25 @@ def cpu_by_role(ref: str, ref_root: int, replica_root: int | None) -> dict[str, 
         with contextlib.suppress(OSError, ValueError, IndexError):
             fields = (p / "stat").read_text().rsplit(")", 1)[1].split()
             used = (int(fields[11]) + int(fields[12])) * _TICK_S
-            role = _role(pid, me, ref, ref_root, ref_tree, replica_root, app_tree) if pid in ours else OTHERS
+            role = (
+                _role(pid, me, ref, ref_root, ref_tree, replica_roots, app_tree, named or {})
+                if pid in ours
+                else OTHERS
+            )
             cpu[role] = cpu.get(role, 0.0) + used
     return cpu
 
 
-def _replica_pid(app_name: str) -> int | None:
-    """The app's rollout replica among this process's descendants (other users' apps may share
+def replica_pids(app_name: str) -> list[int]:
+    """The app's rollout replicas among this process's descendants (other users' apps may share
     its name)."""
     marker = f"ray::ServeReplica:{app_name}:RolloutReplica".encode()
+    found = []
     for pid in _descendants(os.getpid()):
         with contextlib.suppress(OSError):
             if _title(pid).startswith(marker):
-                return pid
-    return None
+                found.append(pid)
+    return found
 
 
 def thread_report(label: str, root: int) -> list[tuple[str, str, str, str]]:
@@ -339,7 +362,9 @@ def main(
     cmd = (
         vllm_server_command(python, args["model_path"], parsed.model_name, parsed.vllm, ref_port)
         if ref == VLLM
-        else ray_serve_llm_command(python, args["model_path"], parsed.model_name, parsed.vllm, ref_port, parsed.replica_num_cpus)
+        else ray_serve_llm_command(
+            python, args["model_path"], parsed.model_name, parsed.vllm, ref_port, parsed.replica_num_cpus
+        )
     )
     # Ray first: its head gives up after 30 s when the machine is busy starting vLLM as well.
     with local_cluster() as port, reference_server(cmd, vllm_env, log) as vproc:
@@ -355,16 +380,16 @@ def main(
             bodies[side] = load.body(parsed.model_name, ok)
         for side in urls:  # warm-up, outside the figures
             asyncio.run(_run(urls[side], bodies[side], clients, min(seconds, 3.0)))
-        replica = _replica_pid(name)
+        replicas = replica_pids(name)
         results: dict[str, list[Run]] = {APP: [], ref: []}
         for side in _alternating(runs, ref):
-            before = cpu_by_role(ref, vproc.pid, replica)
+            before = cpu_by_role(ref, vproc.pid, replicas)
             r = asyncio.run(_run(urls[side], bodies[side], clients, seconds))
-            after = cpu_by_role(ref, vproc.pid, replica)
+            after = cpu_by_role(ref, vproc.pid, replicas)
             r.cpu_s = {role: after[role] - before.get(role, 0.0) for role in after}
             results[side].append(r)
             console.print(f"  {side:12s} run {len(results[side])}: {r.tokens_per_s:8.1f} tok/s ({r.requests} requests)")
-        rows = (thread_report(APP, replica) if replica else []) + thread_report(ref, vproc.pid)
+        rows = [row for replica in replicas for row in thread_report(APP, replica)] + thread_report(ref, vproc.pid)
     _print(results, ref, load, seconds, rows)
     console.print(f"(working directory {work}, the reference server's log in it)")
 

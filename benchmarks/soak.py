@@ -5,7 +5,7 @@ Each cycle profiles one step: start(k) -> a short window of generation -> stop(k
 the while `clients` concurrent clients keep generating. At the end it reports failed requests
 (goal 0), cycles whose manifest is not complete (goal 0), the stop's critical-path time (p50/p99,
 HTTP round trip as the trainer sees it), and the file descriptors, threads and RSS of the app's
-processes (replicas, ingress, engine processes) sampled every tenth of the run (no growth trend:
+processes (replicas, ingress, controller, engine processes) sampled every tenth of the run (no growth trend:
 the RSS slope is reported).
 
     python benchmarks/soak.py [--cycles 1000] [--clients 8] [--update-every 10] [--replica-env K=V]
@@ -39,8 +39,8 @@ PROMPTS = ["The rollout server answers", "Red green blue", "One two three", "The
 
 
 class ProcessStats(BaseModel):
-    """Summed over the app's Serve replica processes (rollout replicas and ingress) and the
-    engine processes they started (vLLM's EngineCore and workers); background merges, which
+    """Summed over the app's Serve replica processes (rollout replicas, ingress and controller) and
+    the engine processes they started (vLLM's EngineCore and workers); background merges, which
     come and go, are left out."""
 
     processes: int
@@ -123,7 +123,9 @@ def app_process_stats(app_name: str) -> ProcessStats:
     return ProcessStats(processes=len(counted), fds=fds, threads=threads, rss_mb=rss_kb / 1024)
 
 
-async def _generate_forever(c: httpx.AsyncClient, i: int, stop: asyncio.Event, counts: dict, failures: list[str]) -> None:
+async def _generate_forever(
+    c: httpx.AsyncClient, i: int, stop: asyncio.Event, counts: dict, failures: list[str]
+) -> None:
     n = 0
     while not stop.is_set():
         body = {"prompt": PROMPTS[(i + n) % len(PROMPTS)], "max_tokens": 8, "seed": n}
@@ -292,36 +294,40 @@ def main(
         "min_free_disk_mb": 1,
         "replica_env": dict(kv.split("=", 1) for kv in replica_env or []),
     }
-    with local_rollout_app(config, overrides) as app:
-        with Progress(console=console) as progress:
-            task = progress.add_task("soak cycles", total=cycles + 5)
-            report = asyncio.run(
-                soak(
-                    app.base_url,
-                    app.name,
-                    tmp / "traces",
-                    model / "model.safetensors",
-                    weights_dir,
-                    cycles=cycles,
-                    clients=clients,
-                    update_every=update_every,
-                    on_cycle=lambda _: progress.advance(task),
-                )
+    with local_rollout_app(config, overrides) as app, Progress(console=console) as progress:
+        task = progress.add_task("soak cycles", total=cycles + 5)
+        report = asyncio.run(
+            soak(
+                app.base_url,
+                app.name,
+                tmp / "traces",
+                model / "model.safetensors",
+                weights_dir,
+                cycles=cycles,
+                clients=clients,
+                update_every=update_every,
+                on_cycle=lambda _: progress.advance(task),
             )
+        )
     table = Table(
         title=f"soak: {config} (engine {app.args.get('engine', 'transformers')}), {cycles} cycles, "
         f"{clients} clients, update every {update_every}"
     )
     table.add_column("measure")
     table.add_column("value")
-    table.add_row("failed requests (goal 0)", f"{report.requests_failed} of {report.requests_ok + report.requests_failed}")
+    table.add_row(
+        "failed requests (goal 0)", f"{report.requests_failed} of {report.requests_ok + report.requests_failed}"
+    )
     table.add_row("incomplete manifests (goal 0)", str(len(report.incomplete_manifests)))
     table.add_row("weight updates", str(report.updates))
     table.add_row("stop p50 / p99 (ms)", f"{report.stop_p50_ms:.1f} / {report.stop_p99_ms:.1f}")
     table.add_row("start p50 / p99 (ms, incl. backlog waits)", f"{report.start_p50_ms:.1f} / {report.start_p99_ms:.1f}")
     for sample in report.samples:
         s = sample.stats
-        table.add_row(f"cycle {sample.cycle}: fds / threads / RSS MB ({s.processes} procs)", f"{s.fds} / {s.threads} / {s.rss_mb:.0f}")
+        table.add_row(
+            f"cycle {sample.cycle}: fds / threads / RSS MB ({s.processes} procs)",
+            f"{s.fds} / {s.threads} / {s.rss_mb:.0f}",
+        )
     table.add_row("RSS slope, second half (MB per 100 cycles)", f"{report.rss_slope_mb_per_100_cycles:+.1f}")
     table.add_row("wall time (s)", f"{report.seconds:.0f}")
     console.print(table)

@@ -1,4 +1,4 @@
-"""The cost of the forward-step markers in vLLM's worker (serve_app/engines/vllm_worker.py):
+"""The cost of the forward-step markers in vLLM's worker (serve_app/engines/vllm/worker.py):
 output tokens/s with and without them, side by side in one run.
 
 One `AsyncLLM` on the tiny model in this process, built with the project's worker extension plus
@@ -118,7 +118,7 @@ async def _round(
     llm: AsyncLLM, mode: str, n: int, work: Path, prompts: list[list[int]], max_tokens: int, seconds: float
 ) -> Round:
     """One round of `mode`; recordings are exported (and deleted) before it returns."""
-    from serve_app.engines.vllm_worker import WorkerExport, export_record
+    from serve_app.engines.vllm.worker import WorkerExport, export_record
 
     await llm.collective_rpc("marker_cost_wrapper", args=(mode != "bare",))
     prefix = f"{mode}{n}"

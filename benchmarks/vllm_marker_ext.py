@@ -19,7 +19,8 @@ from typing import Any
 
 from profiling.backends.torch_profiler import TorchProfilerBackend
 from profiling.config import ProfileOptions
-from serve_app.engines.vllm_worker import ProfilingWorkerExtension, WorkerProfiler
+from profiling.markers import format_forward_step
+from serve_app.engines.vllm.worker import ProfilingWorkerExtension, WorkerProfiler
 
 EXTENSION = "vllm_marker_ext.MarkerCostExtension"
 """The `worker_extension_cls` to give vLLM (benchmarks/ on the engine process's path)."""
@@ -73,7 +74,7 @@ class MarkerCostExtension(ProfilingWorkerExtension):
         try:
             t0 = time.perf_counter()
             for i in range(n):
-                with backend.mark(f"forward_step#{i} step=1 weight_version=0"):
+                with backend.mark(format_forward_step(i, 1, 0)):
                     pass
             return (time.perf_counter() - t0) / n * 1e6
         finally:

@@ -136,7 +136,7 @@ class ProfileOptions(StrictModel):
         "before compression (what a viewer loads). The window stops recording early when the steps "
         "recorded would exceed it (estimated from this process's earlier traces), and a torch trace "
         "still over it is cut after the last forward step that fits; the manifest entry says so "
-        "(truncated, forward_steps_kept). Engine-owned traces (vLLM, SGLang) are only flagged "
+        "(truncated, forward_steps_kept). Engine-owned traces (an engine's own profiler's) are only flagged "
         "(over_budget). Null: no budget.",
     )
     npu: NpuOptions = Field(default_factory=NpuOptions, description="Settings of tool: npu.")

@@ -7,11 +7,13 @@ so no two processes ever write the same file concurrently.
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from profiling.config import ProfileOptions
+from profiling.markers import FORWARD_STEP
 from profiling.step_stats import RequestStats, Staleness
 
 Role = Literal["rollout", "trainer"]
@@ -24,7 +26,7 @@ Transfer = Literal["file", "object_store", "collective", "external"]
 """How a sync's weights reached the replicas (docs/trainer.md#several-ranks lists the modes):
 file: a safetensors path through POST /weights/update; object_store: a state dict through Ray's
 object store (InClusterWeights); collective: a state dict broadcast to the replicas over a
-process group (CollectiveWeights); external: the trainer's own transfer (`update=`), the app
+process group (CollectiveWeights); external: the trainer's own transfer (`ExternalPublisher`), the app
 told the version afterwards."""
 
 
@@ -107,6 +109,48 @@ class ClockOffset(BaseModel):
         return self.bound_ns if self.applied_ns else abs(self.offset_ns) + self.bound_ns
 
 
+class TraceDialect(BaseModel):
+    """How an entry's Chrome traces name a forward pass and where its weight version is written,
+    which the analysis reads them by (docs/analysis.md#verify). The profiler that recorded the
+    entry sets it; the default is this project's own markers (`profiling.markers`). An engine
+    whose own profiler writes the trace names its ranges its own way."""
+
+    model_config = ConfigDict(frozen=True)
+
+    forward_range: str = FORWARD_STEP
+    """Name prefix of the range around one forward pass."""
+    version_in: Literal["marker", "file_name"] = "marker"
+    """marker: every forward range is a forward-step marker, naming its step and weight version;
+    file_name: forward ranges carry no version, each trace file holds passes on one version, which
+    its name carries (`file_version`)."""
+    file_version: str | None = None
+    """With `file_name`: a regular expression whose first group, at its last match in a trace
+    file's name, is the weight version of the file's passes."""
+    rank_separator: str | None = None
+    """Trace files whose names agree up to this text are ranks of one recording, which run the
+    same passes (None: each file is a recording of its own)."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TraceDialect:
+        if self.version_in == "marker" and self.forward_range != FORWARD_STEP:
+            raise ValueError(f"a forward range that carries its weight version is a {FORWARD_STEP!r} marker")
+        if self.version_in == "file_name" and (self.file_version is None or re.compile(self.file_version).groups < 1):
+            raise ValueError("version_in 'file_name' needs file_version, a regular expression with a group")
+        return self
+
+    def file_version_of(self, name: str) -> int | None:
+        """The weight version a trace file's name carries (None: this dialect puts none there,
+        or the name does not carry one)."""
+        if self.file_version is None:
+            return None
+        found = [m.group(1) for m in re.finditer(self.file_version, name)]
+        return int(found[-1]) if found else None
+
+    def recording_of(self, name: str) -> str:
+        """The recording a trace file belongs to: its name up to `rank_separator`."""
+        return name.split(self.rank_separator)[0] if self.rank_separator else name
+
+
 class ManifestEntry(BaseModel):
     """One process's contribution to a step: its trace files and what they hold."""
 
@@ -127,6 +171,9 @@ class ManifestEntry(BaseModel):
     started_at: float | None = None
     stopped_at: float | None = None
     forward_steps: int = 0
+    trace_dialect: TraceDialect = TraceDialect()
+    """How the entry's traces name forward passes and carry their weight versions (entries written
+    before the field: this project's markers)."""
     late_start: bool = False
     """The process joined after the step had started (replica started or restarted)."""
     auto_stopped: AutoStop | None = None

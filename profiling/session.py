@@ -30,6 +30,7 @@ from pydantic import BaseModel, Field
 from profiling.backends import ProfilerBackend, RecordedTrace, create_backend
 from profiling.config import ProfileOptions
 from profiling.manifest import AutoStop, ClockSync, ManifestEntry
+from profiling.markers import format_forward_step, format_weight_update
 from profiling.memory import release_freed_memory
 from profiling.store import TraceStore
 from profiling.trace_budget import MIB, StepSizeEstimate, budget_bytes, json_bytes_over
@@ -173,6 +174,7 @@ class ProfileSession:
                 "weight_versions": [weight_version],
                 "started_at": time.time(),
                 "late_start": spec.late_start,
+                "trace_dialect": backend.trace_dialect,
             }
         )
         backend.start()
@@ -238,7 +240,7 @@ class ProfileSession:
             return
         assert self._backend is not None and self._entry is not None and self._spec is not None
         n = self._entry.forward_steps
-        with self._backend.mark(f"forward_step#{n} step={self._spec.step} weight_version={weight_version}"):
+        with self._backend.mark(format_forward_step(n, self._spec.step, weight_version)):
             yield
         self._entry.forward_steps = n + 1
         self._recorded_by_version[weight_version] = self._recorded_by_version.get(weight_version, 0) + 1
@@ -261,7 +263,7 @@ class ProfileSession:
         """Run `apply` (the weight swap) inside a trace range, if recording."""
         if self._state == "profiling":
             assert self._backend is not None
-            with self._backend.mark(f"weight_update version={version}"):
+            with self._backend.mark(format_weight_update(version)):
                 apply()
         else:
             apply()

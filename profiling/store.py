@@ -8,20 +8,24 @@
     <save_path>/step_<k>/ranks/                       every trace as a rank (profiling.analysis.tool_view)
     <save_path>/step_<k>/merged.trace.json.gz         one timeline (profiling.analysis.merge)
     <save_path>/step_<k>/merge.json                   the last merge's record
+    <save_path>/step_<k>/.write.lock                  held while a merge or the ranks view writes (`writing`)
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import fcntl
 import hashlib
+import logging
 import os
 import re
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TypeVar
+from typing import IO, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
@@ -42,7 +46,13 @@ MERGED_TRACE = "merged.trace.json.gz"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _STEP_RUN = re.compile(r"^step_\d+(\.replaced-[\w-]+)?$")
 """A step's directory, or an earlier run of it moved aside."""
+_REMOVING = re.compile(r"^\.step_\d+(\.replaced-[\w-]+)?\.removing-\d+$")
+"""A step directory a prune renamed before removing it (left over if the removal failed)."""
+WRITE_LOCK = ".write.lock"
+"""Held shared by each writer whose work the step's records do not show (a merge, the ranks
+view: `TraceStore.writing`), exclusively by a prune: a step held is never removed."""
 M = TypeVar("M", bound=BaseModel)
+log = logging.getLogger(__name__)
 
 
 class StorageError(RuntimeError):
@@ -174,14 +184,17 @@ class TraceStore:
         step_dir.mkdir(parents=True, exist_ok=True)
         with open(step_dir / ".manifest.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            manifest = StepManifest.assemble(
-                step, self.read_session(step), self.read_entries(step), self.read_trainer_record(step)
-            )
+            manifest = self._assemble(step)
             manifest.merge = self.read_merge(step)
             atomic_write_text(step_dir / MANIFEST_FILE, manifest.model_dump_json(indent=2))
         if self._auto_merge is not None and manifest.status in ("complete", "partial"):
             self._auto_merge.request(step)
         return manifest
+
+    def _assemble(self, step: int) -> StepManifest:
+        return StepManifest.assemble(
+            step, self.read_session(step), self.read_entries(step), self.read_trainer_record(step)
+        )
 
     def read_manifest(self, step: int) -> StepManifest | None:
         return _read_model(self.step_dir(step) / MANIFEST_FILE, StepManifest)
@@ -216,15 +229,81 @@ class TraceStore:
         src.rename(dst)
         return dst
 
+    @contextlib.contextmanager
+    def writing(self, step: int) -> Iterator[None]:
+        """Hold `step_<k>/` while writing into it something its records do not show (a merge, the
+        ranks view): a prune, from any process, keeps the step meanwhile. FileNotFoundError if
+        the step has no directory, or a prune removed it (or a start moved it aside) while this
+        waited for the hold."""
+        step_dir = self.step_dir(step)
+        with open(step_dir / WRITE_LOCK, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_SH)
+            if not _is_at(lock, step_dir / WRITE_LOCK):
+                raise FileNotFoundError(errno.ENOENT, f"{step_dir.name} was removed or moved aside", str(step_dir))
+            yield
+
     def prune(self, keep: int) -> list[str]:
         """Remove the step directories (runs moved aside included) beyond the `keep` most
-        recently written; returns the names removed, oldest first."""
-        runs = [p for p in self.root.iterdir() if p.is_dir() and _STEP_RUN.match(p.name)] if self.root.exists() else []
+        recently written, except those still being written (`_being_written`): each of those is
+        kept and logged, and a later prune removes it once settled. Returns the names removed,
+        oldest first."""
+        if not self.root.exists():
+            return []
+        for left in (p for p in self.root.iterdir() if _REMOVING.match(p.name)):
+            shutil.rmtree(left, ignore_errors=True)  # a removal that failed before: nothing writes there
+        runs = [p for p in self.root.iterdir() if p.is_dir() and _STEP_RUN.match(p.name)]
         runs.sort(key=lambda p: p.stat().st_mtime, reverse=True)
-        removed = runs[max(0, keep) :][::-1]
-        for p in removed:
-            shutil.rmtree(p)
-        return [p.name for p in removed]
+        removed = []
+        for p in runs[max(0, keep) :][::-1]:
+            if (why := self._remove_unless_written(p)) is None:
+                removed.append(p.name)
+            else:
+                log.warning("retention kept %s beyond the %s most recently written: %s", p.name, keep, why)
+        return removed
+
+    def _remove_unless_written(self, run: Path) -> str | None:
+        """Remove `run` unless it is still being written; returns why it was kept, or None."""
+        with open(run / WRITE_LOCK, "a") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return "a merge or the ranks view is being written into it"
+            if (why := self._being_written(run)) is not None:
+                return why
+            # Renamed away under the hold: a writer waiting for it finds no step to write into.
+            doomed = run.with_name(f".{run.name}.removing-{time.time_ns()}")
+            run.rename(doomed)
+        shutil.rmtree(doomed)
+        return None
+
+    def _being_written(self, run: Path) -> str | None:
+        """Why the records of step directory `run` say it is still being written, or None.
+
+        It is while its records, derived as a refresh derives them (so a manifest.json not yet
+        refreshed does not matter), say recording (its session not stopped) or exporting (an
+        entry still exporting, or a selected trainer rank without one). A run moved aside never
+        is: its producers write by step number, into `step_<k>/`."""
+        found = _STEP_DIR.match(run.name)
+        if found is None:
+            return None
+        step = int(found.group(1))
+        try:
+            if (
+                self.read_session(step) is None
+                and not self._entry_files(step)
+                and self.read_trainer_record(step) is None
+            ):
+                manifest = self.read_manifest(step)  # a step copied without its records
+                status = manifest.status if manifest is not None else None
+            else:
+                status = self._assemble(step).status
+        except CorruptRecord as e:
+            return f"its records cannot be read, so it may still be written ({e})"
+        if status == "recording":
+            return "its traces are still being recorded (manifest status recording)"
+        if status == "exporting":
+            return "its traces are still being exported (manifest status exporting)"
+        return None
 
     def steps(self) -> list[int]:
         """Steps that have a directory under save_path, ascending (OSError if save_path is a
@@ -233,6 +312,16 @@ class TraceStore:
             return []
         found = (_STEP_DIR.match(p.name) for p in self.root.iterdir() if p.is_dir())
         return sorted(int(m.group(1)) for m in found if m)
+
+
+def _is_at(f: IO[str], path: Path) -> bool:
+    """Whether the open file `f` is still the file at `path`."""
+    try:
+        there = path.stat()
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(f.fileno())
+    return (mine.st_dev, mine.st_ino) == (there.st_dev, there.st_ino)
 
 
 def _read_model(path: Path, model: type[M]) -> M | None:

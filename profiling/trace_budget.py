@@ -20,7 +20,7 @@ import numpy as np
 
 from profiling.analysis.events import HEAD_BYTES, TRACE_SUFFIXES, Event, TraceFormat, iter_events, open_binary, sniff
 from profiling.config import ProfileOptions
-from profiling.step_ranges import FORWARD_STEP
+from profiling.markers import FORWARD_STEP
 
 MIB = 1 << 20
 _SEP = b",\n"
@@ -89,7 +89,7 @@ class TraceCut:
 def cut_trace(src: Path, dst: io.BufferedIOBase, max_trace_mb: float) -> TraceCut:
     """Write into `dst` the part of the Chrome trace `src` that fits in `max_trace_mb`: its header
     and metadata events, and every timed event that starts before the first forward step
-    (`forward_step#...` range) that does not fit. Without such a step boundary that fits, the cut
+    (a `FORWARD_STEP` range, `profiling.markers`) that does not fit. Without such a step boundary that fits, the cut
     falls at the latest event time that fits. The written trace says where and why it was cut: a
     top-level `truncated` object and a global instant event at the cut.
 

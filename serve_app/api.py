@@ -52,7 +52,8 @@ class StopProfileRequest(StrictModel):
 
 # -- weights by collective (docs/design.md#weights-by-collective) --------------------------------
 WORLD_SIZE_KEY = "world_size"
-"""Store key (under the group's prefix) of the group's world size, written by the app."""
+"""Store key (under the group's prefix, sealed with the sync's secret) of the group's world size,
+written by the app."""
 ALIGN_BYTES = 64
 """Each tensor starts at a multiple of this in its bucket, so its bytes can be viewed as its dtype."""
 
@@ -94,11 +95,19 @@ class TensorMeta(StrictModel):
 
 class CollectiveTransfer(StrictModel):
     """The `collective` part of a `/weights/update` with `source: collective`: where the
-    publisher's store listens, the sync's group, and the tensors in bucket order."""
+    publisher's store listens, the sync's group and its secret, and the tensors in bucket order."""
 
     address: str = Field(min_length=1, description="Host of the publisher's TCPStore, reachable from every replica.")
     port: int = Field(ge=1, le=65535, description="Port of the publisher's TCPStore.")
     group: SafeName = Field(description="Unique per sync: the store prefix the group is formed under.")
+    secret: str = Field(
+        min_length=32,
+        max_length=128,
+        pattern=r"^[0-9a-f]+$",
+        repr=False,
+        description="Fresh per sync, hex: every store key of the group is sealed with it, so only a process "
+        "that presents it can join. Never logged, echoed or recorded.",
+    )
     backend: Literal["gloo", "nccl"] = Field("gloo", description="gloo on CPU; nccl between GPUs.")
     bucket_bytes: int = Field(64 << 20, ge=1 << 10, le=1 << 34, description="Most bytes broadcast at once.")
     tensors: list[TensorMeta] = Field(min_length=1, description="Every tensor of the checkpoint, in bucket order.")
@@ -215,6 +224,9 @@ class ReplicaReport(BaseModel):
     requests_in_flight: int | None = Field(
         None, description="Generation requests (one per choice) the replica's engine is running or queueing."
     )
+    requests_waiting: int | None = Field(
+        None, description="Generation calls waiting in the replica's admission queue (request_limits)."
+    )
     files: list[str] = Field(default_factory=list)
     stop_ack_s: float | None = None
     load_s: float | None = None
@@ -282,6 +294,33 @@ class StatusResponse(BaseModel):
     weight_version: int
     paused: bool
     replicas: list[ReplicaReport]
+    control_timeout_s: float = Field(
+        description="The app's control_timeout_s: a client sizes its waits for control calls from it."
+    )
+
+
+ControlCall = Literal["start", "stop", "update", "collective"]
+"""A control call, as its bound counts broadcasts: see `control_bound_s`."""
+
+
+def control_bound_s(call: ControlCall, control_timeout_s: float, transfer: CollectiveTransfer | None = None) -> float:
+    """Longest a control call runs once it holds the control lock, each broadcast bounded by
+    `control_timeout_s`: the app's own bound, and what a client waits for (plus a margin) before
+    it repeats the call. A start may roll back (two broadcasts); a collective update counts its
+    members, announces the group, joins and sends each bucket, then loads or drops
+    (docs/design.md#cancellation-safe-control)."""
+    broadcasts = {"start": 2, "stop": 1, "update": 1}
+    if call != "collective":
+        return broadcasts[call] * control_timeout_s
+    if transfer is None:
+        raise ValueError("the bound of a collective update needs its transfer (its buckets)")
+    return 3 * control_timeout_s + receive_bound_s(transfer, control_timeout_s)
+
+
+def receive_bound_s(transfer: CollectiveTransfer, control_timeout_s: float) -> float:
+    """Longest the members take to receive `transfer`: each group operation (the join, then one
+    per bucket) fails after `control_timeout_s`, and one more for the answers."""
+    return (2 + len(plan_buckets(transfer))) * control_timeout_s
 
 
 class ClockResponse(BaseModel):

@@ -165,13 +165,13 @@ class ChoiceBuilder:
     def choice(self) -> CompletionChoice | ChatChoice:
         """The finished choice, as the full (not streamed) answer carries it."""
         assert self.finish_reason is not None, "a choice is built once its sequence finished"
-        tokens = dict(
-            token_ids=self.token_ids,
-            prompt_token_ids=self.prompt_ids,
-            weight_version=min((s.version for s in self._spans.spans), default=self._fallback),
-            weight_versions=self._spans.spans,
-            stop_reason=self.stop_reason,
-        )
+        tokens = {
+            "token_ids": self.token_ids,
+            "prompt_token_ids": self.prompt_ids,
+            "weight_version": min((s.version for s in self._spans.spans), default=self._fallback),
+            "weight_versions": self._spans.spans,
+            "stop_reason": self.stop_reason,
+        }
         finish = self._wire_finish()
         if self._chat:
             return ChatChoice(
@@ -208,13 +208,13 @@ class ChoiceBuilder:
         if not (first or new_text or delta.token_ids or self.finished):
             return None
         self._started = True
-        tokens = dict(
-            token_ids=delta.token_ids,
-            prompt_token_ids=self.prompt_ids if first else None,
-            weight_version=self._version_of(delta) if delta.token_ids else None,
-            weight_versions=self._spans.spans if self.finished else None,
-            stop_reason=self.stop_reason if self.finished else None,
-        )
+        tokens = {
+            "token_ids": delta.token_ids,
+            "prompt_token_ids": self.prompt_ids if first else None,
+            "weight_version": self._version_of(delta) if delta.token_ids else None,
+            "weight_versions": self._spans.spans if self.finished else None,
+            "stop_reason": self.stop_reason if self.finished else None,
+        }
         finish = self._wire_finish() if self.finished else None
         if self._chat:
             return ChatChunkChoice(

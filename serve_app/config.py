@@ -11,22 +11,17 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, ValidationInfo, ValidatorFunctionWrapHandler, field_validator, model_validator
 
 from profiling.config import ProfileOptions, StrictModel
-from serve_app.engines.options import (
-    ENGINE_OPTIONS,
-    EngineName,
-    EngineOptions,
-    SglangOptions,
-    TransformersOptions,
-    VllmOptions,
-)
+from serve_app.engines.options import Capability, EngineOptions
+from serve_app.engines.registry import ENGINE_OPTIONS, EngineName
+from serve_app.engines.sglang.options import SglangOptions
+from serve_app.engines.transformers.options import TransformersOptions
+from serve_app.engines.vllm.options import VllmOptions
 from serve_app.limits import RequestLimits, StartLimits
 from serve_app.tiny_model import TinyModelSpec
 
-VLLM_MIN_HEAD_DIM = 32
-"""vLLM's CPU attention needs head_dim >= 32."""
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 MIN_TOKEN_CHARS = 16
 """A control token is at least this long."""
@@ -39,6 +34,10 @@ class AppArgs(StrictModel):
     """The engine each replica runs: transformers (embedded, on CPU), vllm or sglang."""
     num_replicas: int = Field(2, ge=1)
     """Rollout replicas (Serve replicas of RolloutReplica), each with its own engine."""
+    num_ingress_replicas: int = Field(1, ge=1)
+    """HTTP front replicas (Serve replicas of RolloutIngress): more spread the parsing and
+    answering of generation requests over more processes; all of them hand control calls to the
+    app's one controller, so they share its desired state."""
     replica_num_cpus: float = Field(0.25, gt=0)
     """Fractional CPUs per replica, so several fit on a small machine."""
     replica_num_gpus: float = Field(0, ge=0)
@@ -49,7 +48,7 @@ class AppArgs(StrictModel):
     """Root of all step traces (step_<k>/ directories and their manifests)."""
     trace_collection: Literal["shared_fs", "ray"] = "shared_fs"
     """shared_fs: replicas write under save_path directly (one filesystem). ray: each replica
-    writes under node_dir on its own node and ships its traces through Ray to the ingress's
+    writes under node_dir on its own node and ships its traces through Ray to the controller's
     node, which holds save_path (nodes that share no filesystem)."""
     node_dir: str = "/tmp/rollout-profiler/node"
     """A directory on every node: traces before shipping (trace_collection: ray) and weights
@@ -58,7 +57,9 @@ class AppArgs(StrictModel):
     """Spread replicas over nodes (Serve's max_replicas_per_node); null: no limit."""
     keep_steps: int | None = Field(None, ge=1)
     """Step directories kept under save_path, earlier runs moved aside included: a fresh start
-    removes the least recently written beyond it (logged). null: keep every step."""
+    removes the least recently written beyond it (logged), except steps still being written
+    (recording, exporting, merging, or their ranks view), kept until a later start. At least
+    max_exporting_steps + 1. null: keep every step."""
     merge_on_complete: bool = True
     """Merge each complete or partial step into merged.trace.json.gz in the background."""
     weights_dir: str = "/tmp/rollout-profiler/weights"
@@ -92,6 +93,11 @@ class AppArgs(StrictModel):
     """The served model's name in /v1/models and completions."""
     control_timeout_s: float = Field(30.0, gt=0)
     """Per control call, per replica: a replica that does not answer in time is reported failed."""
+    resume_state: bool = False
+    """A new deployment of this app (`serve run`, `serve deploy`) takes over the desired state the
+    app's last deployment left in this Ray cluster (served version and weights, active step,
+    hold). false: it starts clean. A controller that restarts within one deployment always
+    keeps its state."""
     export_timeout_s: float = Field(600.0, gt=0)
     """Longest wait for a replica's trace export before its entry is recorded as lost."""
     max_exporting_steps: int = Field(4, ge=1)
@@ -99,7 +105,8 @@ class AppArgs(StrictModel):
     (unexported recordings are held in replica memory)."""
     hold_timeout_s: float = Field(60.0, gt=0)
     """Longest a stop(pause=true) or update(resume=false) holds engine steps without the
-    update or start that ends the hold."""
+    update or start that ends the hold, counted from when the hold began or from the end of the
+    last weight load it covered (a load longer than this keeps the hold)."""
     min_free_disk_mb: float = Field(256.0, ge=0)
     """A start is refused with 507 when save_path has less free space than this."""
     transformers: TransformersOptions = Field(default_factory=TransformersOptions)
@@ -132,17 +139,29 @@ class AppArgs(StrictModel):
                 "collective_backend: nccl moves weights between GPUs, but replica_num_gpus is 0: give each "
                 "replica a GPU (replica_num_gpus), or use collective_backend: gloo on CPU"
             )
-        if self.weight_transfer == "collective" and self.engine == "sglang":
-            # SGLang loads what update_weights_from_distributed receives at once, so it cannot
-            # stage a broadcast until every replica has it (docs/design.md#weights-by-collective).
+        if self.weight_transfer == "collective":
+            self.engine_options.require(Capability.RECEIVE_COLLECTIVE)  # a ValueError: pydantic reports it
+        return self
+
+    @model_validator(mode="after")
+    def _keep_steps_fit_the_export_backlog(self) -> AppArgs:
+        # At a start, up to max_exporting_steps stopped steps may still be written (exporting,
+        # or the last one exported still merging), and the started step needs a directory too.
+        least = self.max_exporting_steps + 1
+        if self.keep_steps is not None and self.keep_steps < least:
             raise ValueError(
-                "weight_transfer: collective is not supported with engine sglang (SGLang loads a broadcast "
-                "as it arrives, so a replica that fails mid-transfer would leave the others on mixed "
-                "weights): use weight_transfer: file, or move the weights with SGLang's own "
-                "update_weights_from_distributed and publish them with source external "
-                "(docs/sglang.md#the-trainers-own-transfer)"
+                f"keep_steps={self.keep_steps} leaves no room for the steps still being written at a start: "
+                f"up to max_exporting_steps={self.max_exporting_steps} stopped steps may still be exporting, "
+                f"plus the step being started, so keep_steps must be at least {least}: raise keep_steps "
+                f"to {least} or more, lower max_exporting_steps, or set keep_steps: null (keep every step)"
             )
         return self
+
+    @field_validator("engine", mode="wrap")
+    @classmethod
+    def _registered(cls, name: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        # An engine added to the registry at run time (a test's, a plugin's) has no literal here.
+        return name if isinstance(name, str) and name in ENGINE_OPTIONS else handler(name)
 
     @field_validator("control_token_env")
     @classmethod
@@ -167,7 +186,9 @@ class AppArgs(StrictModel):
     @field_validator("profiler")
     @classmethod
     def _engine_records_it(cls, profiler: ProfileOptions, info: ValidationInfo) -> ProfileOptions:
+        # Runs only for a profiler block the config sets: asking an engine to profile.
         if (engine := info.data.get("engine")) is not None:
+            ENGINE_OPTIONS[engine].require(Capability.PROFILE, "remove the profiler block")
             ENGINE_OPTIONS[engine].check_profiler(profiler, profiler)
         return profiler
 
@@ -178,17 +199,16 @@ class AppArgs(StrictModel):
             raise ValueError(f"the app's profiler settings exceed start_limits: {'; '.join(problems)}")
         return limits
 
-    @field_validator("tiny_model")
+    @field_validator("tiny_model", *ENGINE_OPTIONS)
     @classmethod
-    def _engine_runs_it(cls, spec: TinyModelSpec, info: ValidationInfo) -> TinyModelSpec:
-        if info.data.get("engine") == "vllm" and spec.head_dim < VLLM_MIN_HEAD_DIM:
-            raise ValueError(
-                f"head_dim (hidden_size / num_attention_heads) is {spec.head_dim}; engine 'vllm' needs "
-                f">= {VLLM_MIN_HEAD_DIM} (its CPU attention)"
-            )
-        return spec
+    def _engine_rules_hold(cls, value: Any, info: ValidationInfo) -> Any:
+        # The engine's own rules about the app's other keys (EngineOptions.app_problems).
+        engine, key = info.data.get("engine"), str(info.field_name)
+        if engine is not None and (why := ENGINE_OPTIONS[engine].app_problems({**info.data, key: value}).get(key)):
+            raise ValueError(why)
+        return value
 
-    @field_validator("transformers", "vllm", "sglang")
+    @field_validator(*ENGINE_OPTIONS)
     @classmethod
     def _only_for_its_engine(cls, options: EngineOptions, info: ValidationInfo) -> EngineOptions:
         # Runs only for a block the config sets: a block of another engine would do nothing.
@@ -197,17 +217,6 @@ class AppArgs(StrictModel):
             raise ValueError(
                 f"settings of engine {info.field_name!r}, but engine is {engine!r}: remove them, "
                 f"or set engine: {info.field_name}"
-            )
-        return options
-
-    @field_validator("sglang")
-    @classmethod
-    def _one_replica_per_server(cls, options: SglangOptions, info: ValidationInfo) -> SglangOptions:
-        replicas = info.data.get("num_replicas")
-        if options.url is not None and replicas is not None and replicas != 1:
-            raise ValueError(
-                f"url names one SGLang server, which serves one replica, but num_replicas is {replicas}: "
-                "set num_replicas: 1, or url: null to launch a server per replica"
             )
         return options
 
@@ -241,6 +250,7 @@ class AppArgs(StrictModel):
 
     @property
     def engine_options(self) -> EngineOptions:
-        """The settings block of the selected engine."""
-        options: EngineOptions = getattr(self, self.engine)
+        """The settings block of the selected engine (its defaults for an engine registered
+        without a block of its own in these args)."""
+        options: EngineOptions = getattr(self, self.engine, None) or ENGINE_OPTIONS[self.engine]()
         return options

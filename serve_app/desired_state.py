@@ -1,18 +1,33 @@
-"""The desired state of the rollout fleet, kept in one place (a named Ray actor per app).
+"""The desired state of the rollout fleet, and its durable record (docs/design.md#desired-state).
 
-The controller is its only writer; every replica reads it when it starts, so a replica that
-joins or restarts mid-session loads the current weights (from a path, the object store, or a
-peer replica) and joins the active step.
+The controller (serve_app/controller.py) is its only writer and its only reader of record;
+replicas ask the controller for it when they start and at their health checks. The record lives
+in Ray's GCS key-value store (every node reaches it, and it outlives any actor), keyed by the app
+and by the deployment of the app, so:
+
+* a controller that restarts (crashed, killed, moved to another node) reads back the version, the
+  weights path, the active step and the hold it left;
+* a new deployment of the app (`serve run`, `serve deploy`: the application builder makes a new
+  deployment id) starts clean, unless its args say `resume_state: true`, when it takes over the
+  record the app's last deployment left in this Ray cluster.
+
+The record does not outlive the Ray cluster (GCS's store lives in the head node's memory unless
+GCS fault tolerance backs it with Redis).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+import logging
 
-import ray
 from pydantic import BaseModel
+from ray.experimental import internal_kv
 
 from profiling.session import SessionSpec
+
+log = logging.getLogger(__name__)
+
+_NAMESPACE = "rollout_profiler"
 
 
 class DesiredState(BaseModel):
@@ -23,62 +38,67 @@ class DesiredState(BaseModel):
     weight_version: int = 0
     weights_path: str | None = None
     weights_in_object_store: bool = False
-    """The served weights came through the Ray object store (the actor keeps their ref)."""
+    """The served weights came through the Ray object store (the controller keeps their ref)."""
     weights_from_peer: bool = False
     """The served weights came by collective or by the trainer's own transfer: no file holds
     them, so a replica that starts copies them from a peer replica serving `weight_version`."""
     paused: bool = False
 
 
-class DesiredStateHolder:
-    """The actor's body: the state as JSON, and the ref of object-store weights."""
+class DesiredStateRecord:
+    """The durable record of one deployment of an app: `load` once, then `save` each change.
 
-    def __init__(self) -> None:
-        self._state = DesiredState().model_dump_json()
-        self._weights_refs: list[ray.ObjectRef] = []
+    Every call is a small GCS request, run off the event loop."""
 
-    def get(self) -> str:
-        return self._state
+    def __init__(self, app_name: str, deployment_id: str):
+        self._app = app_name
+        self._key = f"{app_name}/deployments/{deployment_id}"
+        self._latest = f"{app_name}/latest"
 
-    def set(self, state_json: str) -> None:
-        self._state = state_json
+    async def load(self, resume: bool) -> DesiredState:
+        """This deployment's state: its own record (the controller restarted), else with `resume`
+        the record of the app's last deployment, else a clean state. The first load makes this
+        deployment the app's latest and drops the records of deployments before it."""
+        return await asyncio.to_thread(self._load, resume)
 
-    def get_weights_refs(self) -> list[ray.ObjectRef]:
-        return self._weights_refs
+    async def save(self, state: DesiredState) -> None:
+        await asyncio.to_thread(_put, self._key, state.model_dump_json())
 
-    def set_weights_refs(self, refs: list[ray.ObjectRef]) -> None:
-        # Holding the ref keeps the object reachable for replicas that start later (as long as
-        # its owner, the trainer process that put it, lives).
-        self._weights_refs = refs
+    def _load(self, resume: bool) -> DesiredState:
+        own = _get(self._key)
+        if own is not None:
+            log.info("desired state read back from this deployment's record (the controller restarted)")
+            return DesiredState.model_validate_json(own)
+        previous = _get(self._latest)
+        state = DesiredState()
+        if resume and previous is not None and (record := _get(previous)) is not None:
+            state = DesiredState.model_validate_json(record)
+            log.warning(
+                "resume_state: taking over the desired state of the app's last deployment (weight version %s, "
+                "active step %s)",
+                state.weight_version,
+                state.active.step if state.active else None,
+            )
+        _put(self._key, state.model_dump_json())
+        _put(self._latest, self._key)
+        for key in _list(f"{self._app}/deployments/"):
+            if key != self._key:  # earlier deployments: none reads them again
+                _delete(key)
+        return state
 
 
-DesiredStateActor = ray.remote(num_cpus=0, max_restarts=-1)(DesiredStateHolder)
+def _get(key: str) -> str | None:
+    value = internal_kv._internal_kv_get(key, namespace=_NAMESPACE)
+    return None if value is None else value.decode()
 
 
-class DesiredStateStore:
-    """Typed access to the app's desired-state actor (created on first use)."""
+def _put(key: str, value: str) -> None:
+    internal_kv._internal_kv_put(key, value, overwrite=True, namespace=_NAMESPACE)
 
-    def __init__(self, app_name: str):
-        # Typed Any: Ray types a created actor as "handle or class", which no call type-checks on.
-        self._actor: Any = DesiredStateActor.options(
-            name=f"rollout-profiler-desired-state-{app_name}",
-            namespace="serve",
-            get_if_exists=True,
-            lifetime="detached",
-        ).remote()
 
-    async def get(self) -> DesiredState:
-        return DesiredState.model_validate_json(await self._actor.get.remote())
+def _list(prefix: str) -> list[str]:
+    return [k.decode() for k in internal_kv._internal_kv_list(prefix, namespace=_NAMESPACE)]
 
-    async def set(self, state: DesiredState) -> None:
-        await self._actor.set.remote(state.model_dump_json())
 
-    async def weights_refs(self) -> list[ray.ObjectRef]:
-        """The object-store ref of the served weights (a list, so it stays unresolved)."""
-        return await self._actor.get_weights_refs.remote()
-
-    async def set_weights_refs(self, refs: list[ray.ObjectRef]) -> None:
-        await self._actor.set_weights_refs.remote(refs)
-
-    def destroy(self) -> None:
-        ray.kill(self._actor)
+def _delete(key: str) -> None:
+    internal_kv._internal_kv_del(key, namespace=_NAMESPACE)

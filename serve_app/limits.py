@@ -67,8 +67,11 @@ class RequestLimits(StrictModel):
     """Longest text prompt, in characters, checked before tokenizing (422 above it); the
     tokenized prompt must also leave room for max_tokens in the model's context."""
     max_ongoing_requests: int = Field(256, ge=1)
-    """Generation calls one replica takes at once (Serve's max_ongoing_requests); more wait. A
-    request's prompts go to the replicas in at most one call per replica."""
-    max_queued_requests: int = Field(512, ge=1)
-    """Generation calls that may wait for a replica; more are answered 503 with Retry-After
-    (Serve's max_queued_requests of the replicas)."""
+    """Generation calls one replica runs at once (its engine's batch); more wait in the replica's
+    queue. A request's prompts go to the replicas in at most one call per replica."""
+    max_queued_requests: int = Field(4096, ge=1)
+    """Generation calls that may wait in each replica's queue, in arrival order; more are answered
+    503 with Retry-After. RL rollouts (GRPO groups, agent loops) keep thousands in flight."""
+    queue_timeout_s: float = Field(600.0, gt=0)
+    """Longest a generation call waits in a replica's queue before it is answered 503 with
+    Retry-After: a bound no client header can lift."""

@@ -1,4 +1,4 @@
-"""Network helpers shared by the app and its tools."""
+"""Network helpers shared by the app, its local cluster (trainer/local_app.py), tests, benchmarks and examples."""
 
 from __future__ import annotations
 

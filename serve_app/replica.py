@@ -1,8 +1,10 @@
 """The rollout replica deployment: one engine, one profiling session, reached by handle only.
 
-Control methods return a ReplicaReport naming the replica, since broadcast results carry no
-replica id. A replica that starts while a step is profiled (late join, restart) converges to the
-desired state in its constructor: current weights, active step, admission hold.
+Generation is admitted through the replica's own gate (serve_app/admission.py); control calls
+(broadcast by the controller) never wait for it. Control methods return a ReplicaReport naming
+the replica, since broadcast results carry no replica id. A replica that starts while a step is
+profiled (late join, restart) converges to the controller's desired state in its constructor:
+current weights, active step, admission hold.
 """
 
 from __future__ import annotations
@@ -17,15 +19,17 @@ from typing import Any
 
 import ray
 from ray import serve
+from ray.serve.handle import DeploymentHandle
 
 from profiling.manifest import ManifestEntry
 from profiling.session import ProfileSession, SessionConflict, SessionSpec
 from profiling.store import TraceStore
+from serve_app.admission import GenerationGate
 from serve_app.api import CollectiveTransfer, EngineRpcReport, PerReplica, ReplicaReport
 from serve_app.async_streams import merged
 from serve_app.choices import ChoiceBuilder, JobAccepted, JobDone, JobResult, PromptJob, choice_index, sampling_for
 from serve_app.config import AppArgs
-from serve_app.desired_state import DesiredStateStore
+from serve_app.desired_state import DesiredState
 from serve_app.engines import create_engine
 from serve_app.engines.base import AdoptRefused, check_fits, room_left
 from serve_app.engines.generation import GenerateRequest
@@ -37,6 +41,13 @@ from serve_app.weights import WeightsError
 from serve_app.weights_transfer import keep_only, materialize_weights
 
 log = logging.getLogger(__name__)
+
+JOIN_TIMEOUT_S = 300.0
+"""Longest a starting replica waits for the controller's desired state (the controller starts
+with the app, alongside the replicas, on a machine that may be busy building engines)."""
+CHECK_TIMEOUT_S = 2.0
+"""Longest a health check waits for the desired state: a controller that is restarting must not
+make the replicas' health checks time out (Serve would restart them)."""
 
 
 class RolloutReplica:
@@ -65,23 +76,25 @@ class RolloutReplica:
             trace_root=store.root,
         )
         await self.engine.opened()
-        self._desired = DesiredStateStore(ctx.app_name)
-        self._reconciler = Reconciler(self.engine, self._desired)
+        self._gate = GenerationGate(args.request_limits)
+        # By name: the controller's deployment binds this one, so it cannot be bound here.
+        self._controller = ControllerView(serve.get_deployment_handle("RolloutController", ctx.app_name))
+        self._reconciler = Reconciler(self.engine, self._controller)
         await self._join()
 
     async def _join(self) -> None:
         """Converge on the desired state as this replica starts: the served weights, the
         active step (joined late), the admission hold."""
-        desired = await self._desired.get()
-        if desired.weights_in_object_store:
-            report = await self.update_weights_in_cluster(
-                desired.weight_version, await self._desired.weights_refs(), True
-            )
+        desired = await self._controller.get(JOIN_TIMEOUT_S)
+        refs = await self._controller.weights_refs() if desired.weights_in_object_store else []
+        if refs:
+            report = await self.update_weights_in_cluster(desired.weight_version, refs, True)
             if not report.ok:
                 raise RuntimeError(f"cannot load the served weights, version {desired.weight_version}: {report.error}")
         elif desired.weight_version > 0 and desired.weights_path:
             await self.engine.update_weights(desired.weight_version, desired.weights_path, resume=True)
-        elif desired.weight_version > 0 and desired.weights_from_peer:
+        elif desired.weight_version > 0 and (desired.weights_from_peer or desired.weights_in_object_store):
+            # No file holds them; the object store's ref went with a controller that restarted.
             await self._load_from_peer(desired.weight_version)
         if desired.active is not None:
             spec = desired.active.model_copy(update={"late_start": True})
@@ -125,19 +138,20 @@ class RolloutReplica:
 
     def _report(self, **fields: Any) -> ReplicaReport:
         st = self.engine.status()
-        base: dict[str, Any] = dict(
-            replica_id=self.replica_id,
-            pid=os.getpid(),
-            node_id=self._node_id,
-            state=st.state,
-            active_step=st.active_step,
-            weight_version=st.weight_version,
-            paused=st.paused,
-            forward_steps=st.forward_steps,
-            forward_steps_by_version=st.forward_steps_by_version,
-            requests_in_flight=st.requests_in_flight,
-            transfer_ranks=self.engine.transfer_ranks,
-        )
+        base: dict[str, Any] = {
+            "replica_id": self.replica_id,
+            "pid": os.getpid(),
+            "node_id": self._node_id,
+            "state": st.state,
+            "active_step": st.active_step,
+            "weight_version": st.weight_version,
+            "paused": st.paused,
+            "forward_steps": st.forward_steps,
+            "forward_steps_by_version": st.forward_steps_by_version,
+            "requests_in_flight": st.requests_in_flight,
+            "requests_waiting": self._gate.waiting,
+            "transfer_ranks": self.engine.transfer_ranks,
+        }
         base.update(fields)
         if error := base.get("error"):  # the full text goes to the log, the answer names no server path
             log.info("replica %s: %s", self.replica_id, error)
@@ -148,7 +162,8 @@ class RolloutReplica:
     async def run_jobs(self, jobs: list[PromptJob]) -> list[JobResult]:
         """Prompts of one request, each with its `n` choices, whole. One call carries several
         prompts: a handle call costs more than a prompt's bookkeeping."""
-        return list(await asyncio.gather(*(self._run_job(j) for j in jobs)))
+        async with self._gate.admit():
+            return list(await asyncio.gather(*(self._run_job(j) for j in jobs)))
 
     async def _run_job(self, job: PromptJob) -> JobResult:
         builders, requests = await self._prepare(job, stream=False)
@@ -170,14 +185,15 @@ class RolloutReplica:
         """Prompts of one request as stream pieces: `JobAccepted` once every prompt fits and its
         sequences are queued, then pieces as the engine makes tokens, then `JobDone`. Closing
         the stream (the caller went away) aborts every sequence still running."""
-        prepared = [await self._prepare(j, stream=True) for j in jobs]
-        builders = [b for bs, _ in prepared for b in bs]
-        requests = [r for _, rs in prepared for r in rs]
-        yield JobAccepted(prompt_tokens=sum(len(bs[0].prompt_ids) for bs, _ in prepared))
-        async for i, delta in merged(self.engine.generate(r) for r in requests):
-            if (piece := builders[i].piece(delta)) is not None:
-                yield piece
-        yield JobDone(completion_tokens=sum(len(b.token_ids) for b in builders))
+        async with self._gate.admit():
+            prepared = [await self._prepare(j, stream=True) for j in jobs]
+            builders = [b for bs, _ in prepared for b in bs]
+            requests = [r for _, rs in prepared for r in rs]
+            yield JobAccepted(prompt_tokens=sum(len(bs[0].prompt_ids) for bs, _ in prepared))
+            async for i, delta in merged(self.engine.generate(r) for r in requests):
+                if (piece := builders[i].piece(delta)) is not None:
+                    yield piece
+            yield JobDone(completion_tokens=sum(len(b.token_ids) for b in builders))
 
     async def _prepare(self, job: PromptJob, stream: bool) -> tuple[list[ChoiceBuilder], list[GenerateRequest]]:
         """Tokenize (off the event loop: a long prompt must not stall control calls and health
@@ -351,11 +367,27 @@ class RolloutReplica:
             raise RuntimeError(f"engine {self._args.engine} is not healthy")
         try:
             await self._reconciler.check()
-        except Exception:  # noqa: BLE001 - best effort: it must not fail the health check
+        except Exception:
             log.exception("could not converge on the app's desired state")
 
     async def __del__(self) -> None:
         await self.engine.shutdown()
+
+
+class ControllerView:
+    """The desired state as this replica reads it: from the app's controller, by handle."""
+
+    def __init__(self, controller: DeploymentHandle):
+        self._controller = controller
+
+    async def get(self, timeout_s: float = CHECK_TIMEOUT_S) -> DesiredState:
+        """The desired state; TimeoutError when the controller does not answer within `timeout_s`
+        (it is restarting: the next health check asks again)."""
+        return await asyncio.wait_for(self._controller.desired_state.remote(), timeout_s)
+
+    async def weights_refs(self) -> list[ray.ObjectRef]:
+        """`[ref]` of the served weights in the object store; empty when the controller restarted since."""
+        return await asyncio.wait_for(self._controller.weights_refs.remote(), JOIN_TIMEOUT_S)
 
 
 def _first_line(e: BaseException) -> str:

@@ -74,7 +74,8 @@ class TinyModelSpec(BaseModel):
             )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
-                f"num_key_value_heads {self.num_key_value_heads} must divide num_attention_heads {self.num_attention_heads}"
+                f"num_key_value_heads {self.num_key_value_heads} must divide "
+                f"num_attention_heads {self.num_attention_heads}"
             )
         return self
 

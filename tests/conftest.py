@@ -1,15 +1,14 @@
 """Shared fixtures: a trace store, session specs, a private local Ray cluster (never a stale one)
-and a real Serve app."""
+and a real Serve app (support/apps.py deploys it; tests deploy their own with it too)."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from support.apps import ServeApp, deployed
 
 from profiling.config import ProfileOptions
 from profiling.session import SessionSpec
@@ -51,17 +50,6 @@ def spec() -> Callable[..., SessionSpec]:
     return make
 
 
-@dataclass
-class ServeApp:
-    """A running app: where it answers and where it writes."""
-
-    name: str
-    base_url: str
-    save_path: Path
-    weights_dir: Path
-    args: dict
-
-
 @pytest.fixture(scope="session")
 def ray_cluster() -> Iterator[int]:
     """A fresh local Ray + Serve on a free loopback port (yielded), shut down at the end."""
@@ -77,38 +65,6 @@ def model_dir(tmp_path_factory) -> Path:
     from serve_app.tiny_model import ensure_tiny_model
 
     return ensure_tiny_model(cache_dir=tmp_path_factory.mktemp("model-cache"))
-
-
-def deploy(ray_cluster: int, model_dir: Path, tmp: Path, name: str, **overrides) -> ServeApp:
-    """Deploy the app under `/<name>` (or `/` for 'rollout') with test-sized args."""
-    from trainer.local_app import run_app
-
-    args = {
-        "num_replicas": 2,
-        "replica_num_cpus": 0.25,
-        "save_path": str(tmp / "traces"),
-        "weights_dir": str(tmp / "weights"),
-        "control_timeout_s": 10.0,
-        "hold_timeout_s": 20.0,
-        "min_free_disk_mb": 1,
-        "model_path": str(model_dir),
-    }
-    args.update(overrides)
-    (tmp / "weights").mkdir(parents=True, exist_ok=True)
-    base = run_app(ray_cluster, name, args, "/" if name == "rollout" else f"/{name}")
-    return ServeApp(name, base, Path(args["save_path"]), Path(args["weights_dir"]), args)
-
-
-@contextlib.contextmanager
-def deployed(ray_cluster: int, model_dir: Path, tmp: Path, name: str, **overrides) -> Iterator[ServeApp]:
-    """`deploy`, and delete the app on the way out."""
-    from ray import serve
-
-    served = deploy(ray_cluster, model_dir, tmp, name, **overrides)
-    try:
-        yield served
-    finally:
-        serve.delete(served.name)
 
 
 @pytest.fixture(scope="module")

@@ -167,7 +167,7 @@ def render_reference(schemas: dict[str, dict[str, Any]]) -> str:
         defs: dict[str, Any] = schema.get("$defs", {})
         own = key_paths(schema, root.prefix)
         out += [f"## {root.title}", "", root.intro, ""]
-        out += fields_table(schema) + [""]
+        out += [*fields_table(schema), ""]
         shared = []
         for name in ref_closure(schema.get("properties", {}), defs):
             model = defs[name]

@@ -129,8 +129,8 @@ def kernels_in_ranges(events: list[dict[str, Any]], prefixes: tuple[str, ...]) -
 
 
 def check_kernels(report: Report, save_path: Path, steps: list[int] | None = None) -> None:
-    """For each step's rollout traces under `save_path`: every engine-step range launched kernels."""
-    from profiling.step_ranges import ENGINE_STEP_PREFIXES
+    """For each step's rollout traces under `save_path`: every engine-step range (the entry's
+    `trace_dialect.forward_range`) launched kernels."""
     from profiling.store import TraceStore
 
     store = TraceStore(save_path)
@@ -141,7 +141,7 @@ def check_kernels(report: Report, save_path: Path, steps: list[int] | None = Non
     for k in steps:
         manifest = store.read_manifest(k)
         files = [
-            store.step_dir(k) / f
+            (store.step_dir(k) / f, e.trace_dialect.forward_range)
             for e in (manifest.entries if manifest else [])
             if e.role == "rollout"
             for f in e.files
@@ -150,8 +150,8 @@ def check_kernels(report: Report, save_path: Path, steps: list[int] | None = Non
         if not files:
             report.add("FAIL", f"cuda-kernels step {k}", "no rollout Chrome trace in the manifest")
             continue
-        for path in files:
-            c = kernels_in_ranges(load_events(path), ENGINE_STEP_PREFIXES)
+        for path, forward_range in files:
+            c = kernels_in_ranges(load_events(path), (forward_range,))
             report.expect(
                 c.ranges > 0 and c.ranges_with_kernels == c.ranges,
                 f"cuda-kernels step {k} {path.parent.name}",
@@ -202,8 +202,8 @@ def run(out: Path, device: str, passes: int, fit_steps: int, cache_dir: Path | N
     from profiling.backends.torch_profiler import init_kineto, quiet_kineto_env
     from profiling.config import ProfileOptions
     from profiling.manifest import ManifestEntry, SessionRecord, SyncCost
+    from profiling.markers import FORWARD_STEP, format_forward_step
     from profiling.session import ProfileSession, SessionSpec
-    from profiling.step_ranges import FORWARD_STEP
     from profiling.store import TraceStore
     from serve_app.tiny_model import ensure_tiny_model
 
@@ -310,7 +310,7 @@ def run(out: Path, device: str, passes: int, fit_steps: int, cache_dir: Path | N
             f"status {manifest.status}, forward_steps {shown}" + ("" if counts == want else f" (expected {want})"),
         )
         for entry in manifest.entries:
-            want_names = [f"{FORWARD_STEP}{i} step={k} weight_version={k - 1}" for i in range(entry.forward_steps)]
+            want_names = [format_forward_step(i, k, k - 1) for i in range(entry.forward_steps)]
             got = [n for f in entry.files for n in marker_names(load_events(store.step_dir(k) / f), FORWARD_STEP)]
             report.expect(
                 got == want_names and len(got) > 0,

@@ -35,7 +35,9 @@ def _call(
     """One call through the client (`method` answers a `model`); exits 3 if the app cannot be
     reached and 1 if it refuses."""
     # No retries: a script calling the CLI decides itself whether to try again.
-    with SyncRolloutClient(url, control_token=token, timeout_s=timeout, retries=0, backlog_wait_s=0) as client:
+    with SyncRolloutClient(
+        url, control_token=token, timeout_s=timeout, control_wait_s=timeout, retries=0, backlog_wait_s=0
+    ) as client:
         try:
             answer = getattr(client, method)(*args, **kwargs)
         except RolloutError as e:

@@ -1,9 +1,16 @@
 """Async client of the rollout app's HTTP API (plus a small sync wrapper for scripts).
 
 Retries only where repeating is safe: reads, and the control calls whose repeat is defined to
-be harmless (start of the active step, stop when idle, the same weight version again), and only
-on connection failures or 502/503/504, never after another 4xx. A 429 (the app's trace export
-backlog is full) is waited out, following Retry-After, for up to `backlog_wait_s`.
+be harmless (start of the active step, a stop again, the same weight version again), and only
+on connection failures, timeouts or 502/503/504, never after another 4xx. A 429 (the app's trace
+export backlog is full) is waited out, following Retry-After, for up to `backlog_wait_s`.
+
+A control call waits as long as the app may take for it (`serve_app.api.control_bound_s` of the
+app's control_timeout_s, plus a margin), not a fixed time: a collective update of a large model
+runs one control timeout per bucket. A call that times out anyway (it waited for the app's
+control lock behind another call) is repeated: the app carries a control call to its end whatever
+happens to the request, and a repeat joins it or finds it done
+(docs/design.md#cancellation-safe-control).
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from profiling.clock_exchange import PINGS, ClockReading, offset_from, reversed_
 from profiling.manifest import ClockOffset, StepManifest
 from serve_app.api import (
     ClockResponse,
+    ControlCall,
     ReplicaReport,
     StartProfileRequest,
     StartProfileResponse,
@@ -29,6 +37,7 @@ from serve_app.api import (
     StopProfileResponse,
     UpdateWeightsRequest,
     UpdateWeightsResponse,
+    control_bound_s,
 )
 from serve_app.openai_api import (
     ChatCompletionRequest,
@@ -42,6 +51,8 @@ from serve_app.openai_api import (
 
 R = TypeVar("R", bound=BaseModel)
 _RETRY_STATUS = {502, 503, 504}
+CONTROL_MARGIN_S = 10.0
+"""What a control call waits beyond the app's bound for it: the HTTP hops, a busy machine."""
 
 
 class RolloutError(RuntimeError):
@@ -60,11 +71,16 @@ class RolloutClient:
         *,
         control_token: str | None = None,
         timeout_s: float = 60.0,
+        control_wait_s: float | None = None,
         retries: int = 2,
         retry_backoff_s: float = 0.5,
         backlog_wait_s: float = 600.0,
     ):
-        """`retries`/`retry_backoff_s`: for connection failures and 502/503/504.
+        """`timeout_s`: how long reads and generation calls wait for an answer. `control_wait_s`:
+        how long a control call (start, stop, weight update) waits; None: the call's bound on
+        the app, from the app's control_timeout_s (read once from /profile/status), plus
+        CONTROL_MARGIN_S (`timeout_s` while the status cannot be read).
+        `retries`/`retry_backoff_s`: for connection failures, timeouts and 502/503/504.
         `backlog_wait_s`: how long a call refused with 429 (earlier steps' traces still
         exporting) keeps being retried before the 429 is raised."""
         headers = {"Authorization": f"Bearer {control_token}"} if control_token else {}
@@ -77,6 +93,9 @@ class RolloutClient:
         self._retries = retries
         self._backoff = retry_backoff_s
         self._backlog_wait_s = backlog_wait_s
+        self._timeout_s = timeout_s
+        self._control_wait_s = control_wait_s
+        self._app_control_timeout_s: float | None = None
 
     async def __aenter__(self) -> RolloutClient:
         return self
@@ -87,7 +106,28 @@ class RolloutClient:
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    async def _call(self, method: str, path: str, model: type[R], body: BaseModel | None = None, *, retry: bool) -> R:
+    async def _control_wait(self, call: ControlCall, body: UpdateWeightsRequest | None = None) -> float:
+        """Seconds control call `call` waits for its answer (see `control_wait_s`)."""
+        if self._control_wait_s is not None:
+            return self._control_wait_s
+        if self._app_control_timeout_s is None:
+            try:
+                self._app_control_timeout_s = (await self.status()).control_timeout_s
+            except RolloutError:  # not readable now (the app restarting): the plain timeout, ask again next time
+                return self._timeout_s
+        transfer = body.collective if body is not None else None
+        return control_bound_s(call, self._app_control_timeout_s, transfer) + CONTROL_MARGIN_S
+
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        model: type[R],
+        body: BaseModel | None = None,
+        *,
+        retry: bool,
+        wait_s: float | None = None,
+    ) -> R:
         # An OpenAI body carries only the fields the caller set: a default sent explicitly would
         # read as "set" to the ingress, which refuses fields the engine cannot honour.
         sampling = isinstance(body, SamplingFields)
@@ -97,7 +137,9 @@ class RolloutClient:
         attempt = 0
         while True:
             try:
-                resp = await self._http.request(method, path, json=payload)
+                resp = await self._http.request(
+                    method, path, json=payload, timeout=wait_s if wait_s is not None else httpx.USE_CLIENT_DEFAULT
+                )
             except httpx.TransportError as e:
                 if attempt + 1 >= attempts:
                     raise RolloutError(method, path, 0, f"cannot reach the app: {e!r}", []) from e
@@ -118,26 +160,30 @@ class RolloutClient:
     async def start_profile(self, step: int, **options: Any) -> StartProfileResponse:
         """Start step `step` on every replica; `options` are StartProfileRequest fields."""
         body = StartProfileRequest(step=step, **options)
-        return await self._call("POST", "/profile/start", StartProfileResponse, body, retry=True)
+        wait_s = await self._control_wait("start")
+        return await self._call("POST", "/profile/start", StartProfileResponse, body, retry=True, wait_s=wait_s)
 
     async def stop_profile(self, step: int, *, pause: bool = False) -> StopProfileResponse:
         body = StopProfileRequest(step=step, pause=pause)
-        return await self._call("POST", "/profile/stop", StopProfileResponse, body, retry=True)
+        wait_s = await self._control_wait("stop")
+        return await self._call("POST", "/profile/stop", StopProfileResponse, body, retry=True, wait_s=wait_s)
 
     async def update_weights(self, version: int, path: str, *, resume: bool = True) -> UpdateWeightsResponse:
-        body = UpdateWeightsRequest(version=version, path=path, resume=resume)
-        return await self._call("POST", "/weights/update", UpdateWeightsResponse, body, retry=True)
+        return await self._update(UpdateWeightsRequest(version=version, path=path, resume=resume), retry=True)
 
     async def adopt_weights(self, version: int, *, resume: bool = True) -> UpdateWeightsResponse:
         """Publish `version`, which this trainer moved into the engines itself (source external):
         the app checks that every replica's engine reports it, and loads nothing."""
-        body = UpdateWeightsRequest(version=version, source="external", resume=resume)
-        return await self._call("POST", "/weights/update", UpdateWeightsResponse, body, retry=True)
+        return await self._update(UpdateWeightsRequest(version=version, source="external", resume=resume), retry=True)
 
     async def publish_weights(self, body: UpdateWeightsRequest) -> UpdateWeightsResponse:
         """Send `body` to /weights/update once, never repeated (a collective transfer's broadcast
         cannot be: trainer/collective.py sends it)."""
-        return await self._call("POST", "/weights/update", UpdateWeightsResponse, body, retry=False)
+        return await self._update(body, retry=False)
+
+    async def _update(self, body: UpdateWeightsRequest, *, retry: bool) -> UpdateWeightsResponse:
+        wait_s = await self._control_wait("collective" if body.collective is not None else "update", body)
+        return await self._call("POST", "/weights/update", UpdateWeightsResponse, body, retry=retry, wait_s=wait_s)
 
     async def status(self) -> StatusResponse:
         return await self._call("GET", "/profile/status", StatusResponse, retry=True)

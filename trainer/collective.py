@@ -2,23 +2,23 @@
 to every replica over a process group (gloo on CPU, NCCL between GPUs), so no file is written
 (docs/design.md#weights-by-collective).
 
-`CollectiveWeights` hosts the store the groups form on, for its lifetime. Per version it asks the
-app to publish (`/weights/update` with source collective) and, concurrently, waits for the app to
-write the group's world size into the store, joins as rank 0 and sends the buckets; the app
-answers once every replica loaded them, or failed naming who did not receive them.
+`CollectiveWeights` hosts the store the groups form on, for its lifetime, listening on the address
+it is given alone. Per version it seals a fresh group with a fresh secret, asks the app to publish
+(`/weights/update` with source collective, the secret in the body) and, concurrently, waits for the
+app to write the group's world size into the store, joins as rank 0 and sends the buckets; the app
+answers once every replica loaded them, or failed naming who did not receive them. A process
+without the secret can neither plant that world size nor join the group.
 """
 
 from __future__ import annotations
 
 import asyncio
-import datetime
 import time
 import uuid
 from collections.abc import Callable, Mapping
 from typing import Literal
 
 import torch
-import torch.distributed as dist
 
 from serve_app import weight_wire
 from serve_app.api import CollectiveTransfer, UpdateWeightsRequest, UpdateWeightsResponse
@@ -29,9 +29,8 @@ _POLL_S = 0.01
 
 
 class CollectiveWeights:
-    """Publishes weight versions to the app behind `client` by broadcast, from this process."""
-
-    mode = "collective"
+    """Publishes weight versions to the app behind `client` by broadcast, from this process; a
+    ProfiledWeightSync takes it as `publisher=CollectivePublisher(CollectiveWeights(client, ...))`."""
 
     def __init__(
         self,
@@ -44,8 +43,9 @@ class CollectiveWeights:
         timeout_s: float = 60.0,
         on_bucket: Callable[[int, int], None] | None = None,
     ):
-        """`address`: this host as every replica's node reaches it; `port`: the store's (0: a free
-        one). `bucket_bytes`: the most bytes broadcast at once (the receivers hold one bucket
+        """`address`: this host as every replica's node reaches it, and the only interface the
+        store listens on (127.0.0.1: replicas on this machine alone); `port`: the store's (0: a
+        free one). `bucket_bytes`: the most bytes broadcast at once (the receivers hold one bucket
         each in flight). `timeout_s`: longest wait for the app to set up a group, and for each
         group operation. `on_bucket(i, count)`: called (on the sending thread) after bucket `i`
         of `count` has gone out, e.g. for progress."""
@@ -56,9 +56,7 @@ class CollectiveWeights:
         self._timeout_s = timeout_s
         self._on_bucket = on_bucket
         self._device = torch.device("cuda") if backend == "nccl" else torch.device("cpu")
-        self._store = dist.TCPStore(
-            address, port, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s)
-        )
+        self._store = weight_wire.host_store(address, port, timeout_s)
 
     @property
     def port(self) -> int:
@@ -77,14 +75,16 @@ class CollectiveWeights:
             address=self._address,
             port=self.port,
             group=f"v{version}-{uuid.uuid4().hex[:12]}",
+            secret=weight_wire.new_secret(),
             backend=self._backend,
             bucket_bytes=self._bucket_bytes,
             tensors=[weight_wire.meta_of(name, t) for name, t in state.items()],
         )
+        weight_wire.host_sync(self._store, transfer)
         request = UpdateWeightsRequest(version=version, source="collective", collective=transfer, resume=resume)
         answer = asyncio.ensure_future(self._client.publish_weights(request))
         try:
-            world_size = await self._world_size(transfer.group, answer)
+            world_size = await self._world_size(transfer, answer)
         except BaseException:
             answer.cancel()
             raise
@@ -103,11 +103,19 @@ class CollectiveWeights:
         response = await answer
         return response.model_copy(update={"transfer_s": transfer_s})
 
-    async def _world_size(self, group: str, answer: asyncio.Future[UpdateWeightsResponse]) -> int | None:
+    async def _world_size(
+        self, transfer: CollectiveTransfer, answer: asyncio.Future[UpdateWeightsResponse]
+    ) -> int | None:
         """The group's world size once the app wrote it (None: the app answered first)."""
-        key = f"{group}/{weight_wire.WORLD_SIZE_KEY}"
         deadline = time.monotonic() + self._timeout_s
-        while not self._store.check([key]):
+        while True:
+            try:
+                size = weight_wire.read_world_size(self._store, transfer)
+            except weight_wire.ForeignValue as e:
+                detail = f"no group formed: another process overwrote the group's world size in this rank's store ({e})"
+                raise RolloutError("POST", "/weights/update", 0, detail, []) from None
+            if size is not None:
+                return size
             if answer.done():
                 return None
             if time.monotonic() >= deadline:
@@ -115,10 +123,9 @@ class CollectiveWeights:
                     "POST", "/weights/update", 0, f"the app set up no group within {self._timeout_s:.0f}s", []
                 )
             await asyncio.sleep(_POLL_S)
-        return int(self._store.get(key))
 
     def _send(self, transfer: CollectiveTransfer, state: dict[str, torch.Tensor], world_size: int) -> None:
-        group = weight_wire.open_group(self._store, transfer.group, 0, world_size, self._timeout_s, transfer.backend)
+        group = weight_wire.open_group(self._store, transfer, 0, world_size, self._timeout_s)
         try:
             weight_wire.send(group, transfer, state, self._device, self._on_bucket)
             return

@@ -75,7 +75,9 @@ class TrainerSection(StrictModel):
         "replicas over a process group; the app's weight_transfer must be collective too).",
     )
     collective_address: str = Field(
-        "127.0.0.1", description="weight_transfer collective: the publishing rank's address the replicas dial."
+        "127.0.0.1",
+        description="weight_transfer collective: the publishing rank's address the replicas dial, and the only "
+        "interface its store listens on.",
     )
     bucket_mb: float = Field(
         64.0, gt=0, description="weight_transfer collective: MiB of tensors per broadcast bucket."

@@ -6,26 +6,31 @@ same calls): the driving rank (rank 0) takes each mini-batch from the rollout pr
 broadcasts it, every rank trains on its share, and at each sync every rank joins the full-state-dict
 gather. A second group carries the profiling side (the driving rank's note and the clock pings),
 so it never interleaves with training collectives.
+
+The group forms on the launcher's store, which listens on loopback alone, with every key sealed
+with a secret of the launch (serve_app/weight_wire.py's SealedStore): a process without it cannot
+join. What the ranks share travels as JSON of a pydantic model, never as a pickle.
 """
 
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError
 
 from profiling.clock_exchange import PINGS, ClockReading, offset_from, reversed_offset
 from profiling.manifest import ClockOffset
-from trainer.profiled_sync import DriverNote
+from serve_app import weight_wire
+from trainer.profiled_sync import DriverNote, RankRole
 
 DRIVER_RANK = 0
 """The rank that drives the app and publishes: it holds the gathered full state dict."""
+M = TypeVar("M", bound=BaseModel)
 
 
 class Ranks(BaseModel):
@@ -48,33 +53,77 @@ class Ranks(BaseModel):
     def distributed(self) -> bool:
         return self.world_size > 1
 
+    def role(self) -> RankRole:
+        """This rank's `RankRole` for its ProfiledWeightSync, linked to the other ranks by a
+        GlooRankLink when there are several. That link makes a process group, a collective call:
+        every rank calls `role()` at the same point."""
+        return RankRole(
+            rank=self.rank,
+            drives=self.drives,
+            records=self.records,
+            ranks=self.selected,
+            world_size=self.world_size,
+            link=GlooRankLink(self) if self.distributed else None,
+        )
 
-def free_port() -> int:
-    """A free TCP port on loopback for the process group's rendezvous."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+
+class Rendezvous(BaseModel):
+    """Where the ranks' process group forms: the launcher's store and the secret its keys are sealed with."""
+
+    address: str = "127.0.0.1"
+    port: int = Field(ge=1, le=65535)
+    secret: str = Field(min_length=32, repr=False)
 
 
-def init_group(ranks: Ranks, port: int, timeout_s: float) -> None:
-    """Join the trainer's gloo process group (rendezvous at 127.0.0.1:`port`); `timeout_s` bounds
-    every collective, so a rank that stopped answering fails the others instead of hanging them."""
+def host_rendezvous(timeout_s: float, address: str = "127.0.0.1") -> tuple[dist.TCPStore, Rendezvous]:
+    """The launcher's store for its ranks, listening on `address` alone (loopback: the ranks are
+    this machine's processes), and a fresh secret; the store serves while it is referenced."""
+    store = weight_wire.host_store(address, 0, timeout_s)
+    return store, Rendezvous(address=address, port=store.port, secret=weight_wire.new_secret())
+
+
+def init_group(ranks: Ranks, rendezvous: Rendezvous, timeout_s: float) -> weight_wire.SealedStore:
+    """Join the trainer's gloo process group on the launcher's store, sealed with the launch's
+    secret; `timeout_s` bounds every collective, so a rank that stopped answering fails the others
+    instead of hanging them. Returns the sealed store: keep it referenced until
+    `dist.destroy_process_group()` (torch calls back into it)."""
+    client = weight_wire.connect_store(rendezvous.address, rendezvous.port, timeout_s)
+    store = weight_wire.SealedStore(client, rendezvous.secret)
     dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=ranks.rank,
-        world_size=ranks.world_size,
-        timeout=timedelta(seconds=timeout_s),
+        "gloo", store=store, rank=ranks.rank, world_size=ranks.world_size, timeout=timedelta(seconds=timeout_s)
     )
+    return store
 
 
-def share_from_driver(payload: Any, ranks: Ranks) -> Any:
-    """The driving rank's `payload` (a mini-batch), on every rank (blocking: call it on the model
-    thread, where the training collectives run)."""
-    box = [payload if ranks.drives else None]
-    dist.broadcast_object_list(box, src=DRIVER_RANK)
-    return box[0]
+def share_from_driver(payload: M | None, model: type[M], ranks: Ranks, group: Any = None) -> M:
+    """The driving rank's `payload` (None on the others) on every rank, as `model`'s JSON over
+    `group` (None: the default group): data, never a pickle, so no rank runs what another sends.
+    Blocking: call it where the group's other collectives run (the model thread for the default
+    group). ValueError: what arrived is not `model`'s JSON."""
+    if ranks.drives:
+        if payload is None:
+            raise ValueError(f"the driving rank must share a {model.__name__}, not None")
+        _broadcast_bytes(payload.model_dump_json().encode(), group)
+        return payload
+    try:
+        return model.model_validate_json(_broadcast_bytes(None, group))
+    except ValidationError as e:
+        raise ValueError(
+            f"rank {ranks.rank}: what the driving rank shared is not a {model.__name__}'s JSON "
+            f"({e.errors()[0]['msg']}); every rank must run the same trainer code"
+        ) from None
+
+
+def _broadcast_bytes(data: bytes | None, group: Any) -> bytes:
+    """The driving rank's `data` (None on the others) on every rank: its length, then its bytes."""
+    size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
+    dist.broadcast(size, src=DRIVER_RANK, group=group)
+    if data is not None:
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    else:
+        buf = torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.broadcast(buf, src=DRIVER_RANK, group=group)
+    return buf.numpy().tobytes()
 
 
 class GlooRankLink:
@@ -96,9 +145,7 @@ class GlooRankLink:
 
     def _exchange(self, note: DriverNote | None) -> tuple[DriverNote, ClockOffset | None]:
         r = self.ranks
-        box = [note.model_dump_json() if r.drives and note is not None else None]
-        dist.broadcast_object_list(box, src=DRIVER_RANK, group=self._group)
-        got = DriverNote.model_validate_json(box[0]) if box[0] is not None else DriverNote()
+        got = share_from_driver((note or DriverNote()) if r.drives else None, DriverNote, r, self._group)
         others = [x for x in r.selected if x != DRIVER_RANK]
         if r.drives:
             for other in others:

@@ -17,9 +17,8 @@ from trainer.client import RolloutError
 
 
 class InClusterWeights:
-    """Publishes weight versions to the app named `app_name` through its DeploymentHandle."""
-
-    mode = "object_store"
+    """Publishes weight versions to the app named `app_name` through its DeploymentHandle; a
+    ProfiledWeightSync takes it as `publisher=InClusterPublisher(InClusterWeights(app_name))`."""
 
     def __init__(self, app_name: str = "rollout"):
         self._handle = serve.get_app_handle(app_name)

@@ -1,7 +1,8 @@
 """`trainer.world_size` > 1: launch the ranks as processes, watch them, and account for one that dies.
 
-The launcher (the `python -m trainer` process, which owns the app) spawns one process per rank;
-they join a gloo process group and run trainer.loop.run_training in lockstep. Rank 0 reports each
+The launcher (the `python -m trainer` process, which owns the app) hosts the ranks' rendezvous (a
+store on loopback, its keys sealed with a secret of this launch) and spawns one process per rank;
+they join a gloo process group on it and run trainer.loop.run_training in lockstep. Rank 0 reports each
 version and its result through a queue. When a rank dies, the launcher records it in the trainer
 record of every step it was recording (the manifest turns `partial`, naming it), gives the other
 ranks `grace_s` to end their windows (their next collective fails), stops what is left, and raises
@@ -24,7 +25,7 @@ from typing import Any
 from profiling.schedule import StepSchedule
 from profiling.store import TraceStore
 from trainer.config import TrainerConfig
-from trainer.distributed import DRIVER_RANK, Ranks, free_port, init_group
+from trainer.distributed import DRIVER_RANK, Ranks, Rendezvous, host_rendezvous, init_group
 from trainer.loop import ProgressHook, RunResult, VersionStats
 
 log = logging.getLogger(__name__)
@@ -48,11 +49,13 @@ def launch_ranks(
     world = cfg.trainer.world_size
     ctx = mp.get_context("spawn")  # a fresh interpreter per rank: no Ray, no event loop inherited
     reports: Any = ctx.Queue()
-    port = free_port()
+    # Bound before any rank starts, so no port can be taken in between; serves until the ranks end.
+    store, rendezvous = host_rendezvous(cfg.trainer.dist_timeout_s)
+    cfg_json, rendezvous_json = cfg.model_dump_json(exclude_unset=True), rendezvous.model_dump_json()
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(cfg.model_dump_json(exclude_unset=True), r, port, url, control_token, model_dir, reports),
+            args=(cfg_json, r, rendezvous_json, url, control_token, model_dir, reports),
             name=f"trainer-rank-{r}",
         )
         for r in range(world)
@@ -83,6 +86,7 @@ def launch_ranks(
         else:
             for p in procs:
                 p.join()
+        del store  # every rank has ended: the rendezvous closes
     if died:
         first = min(died)
         raise RankDied(
@@ -117,7 +121,9 @@ def _record_deaths(cfg: TrainerConfig, died: dict[int, str]) -> None:
             continue
         if record is None:
             continue  # the window never started
-        dead = {r: f"trainer rank {r} {how} while the step was recorded" for r, how in died.items() if r in record.ranks}
+        dead = {
+            r: f"trainer rank {r} {how} while the step was recorded" for r, how in died.items() if r in record.ranks
+        }
         if dead:
             store.update_trainer_record(label, lambda r, d=dead: r.model_copy(update={"failures": {**r.failures, **d}}))  # type: ignore[misc]
 
@@ -136,7 +142,7 @@ def _stop_survivors(procs: Sequence[BaseProcess], grace_s: float) -> None:
 
 
 def _rank_main(
-    cfg_json: str, rank: int, port: int, url: str, control_token: str | None, model_dir: str, reports: Any
+    cfg_json: str, rank: int, rendezvous_json: str, url: str, control_token: str | None, model_dir: str, reports: Any
 ) -> None:
     """One rank's process: join the group, train, report (rank 0)."""
     import torch
@@ -151,7 +157,8 @@ def _rank_main(
     cfg = TrainerConfig.model_validate_json(cfg_json)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.trainer.world_size))  # the ranks share the cores
     ranks = Ranks(rank=rank, world_size=cfg.trainer.world_size, selected=cfg.profiler.selected(cfg.trainer.world_size))
-    init_group(ranks, port, cfg.trainer.dist_timeout_s)
+    # Referenced until the group is destroyed below: the group calls back into it.
+    store = init_group(ranks, Rendezvous.model_validate_json(rendezvous_json), cfg.trainer.dist_timeout_s)
 
     def on_version(s: VersionStats) -> None:
         reports.put(("version", s.model_dump_json()))
@@ -168,3 +175,4 @@ def _rank_main(
     import torch.distributed as dist
 
     dist.destroy_process_group()
+    del store

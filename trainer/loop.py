@@ -22,9 +22,9 @@ from profiling.schedule import StepSchedule
 from trainer.agent_loop import AgentLoop, Reward
 from trainer.client import RolloutClient
 from trainer.config import TrainerConfig
-from trainer.distributed import GlooRankLink, Ranks, share_from_driver
+from trainer.distributed import Ranks, share_from_driver
 from trainer.policy import Policy, Sample
-from trainer.profiled_sync import ProfiledWeightSync, StateDictTransport, Weights
+from trainer.profiled_sync import CollectivePublisher, PathPublisher, ProfiledWeightSync, WeightPublisher, Weights
 
 PROMPTS = [
     "The rollout server",
@@ -45,6 +45,16 @@ class VersionStats(BaseModel):
     staleness: float
     samples_per_s: float
     sync: SyncCost
+
+
+class MiniBatch(BaseModel):
+    """One mini-batch as the driving rank shares it with the other ranks (as JSON)."""
+
+    samples: list[Sample]
+    dropped: int = Field(ge=0)
+    """Samples taken from the producers but dropped as too stale."""
+    taken: int = Field(ge=0)
+    """Samples taken from the producers, dropped ones included."""
 
 
 class RunResult(BaseModel):
@@ -139,20 +149,17 @@ async def run_training(
     context_len = int(policy.model.config.max_position_embeddings)
     weights_dir = Path(t.weights_dir).resolve()
     schedule = StepSchedule.from_config(cfg.global_profiler)
+    publisher = _publisher(cfg, client) if ranks.drives else PathPublisher()
+    by_file = isinstance(publisher, PathPublisher)
     sync = ProfiledWeightSync(
         schedule,
         client if ranks.drives else None,
         save_path=cfg.global_profiler.save_path if cfg.global_profiler.steps else None,
+        publisher=publisher,
+        role=ranks.role(),
         options=cfg.profiler.window_options(),
-        rank=ranks.rank,
-        drives=ranks.drives,
-        records=ranks.records,
-        ranks=ranks.selected,
-        world_size=ranks.world_size,
-        link=GlooRankLink(ranks) if ranks.distributed else None,
         model_executor=executor,
         merge_on_complete=cfg.global_profiler.merge_on_complete,
-        transport=_transport(cfg, client) if ranks.drives else None,
     )
     result = RunResult()
     queue: asyncio.Queue[Sample] = asyncio.Queue(maxsize=t.mini_batch_size * 2)
@@ -166,10 +173,10 @@ async def run_training(
                 path = weights_dir / f"v{version}.safetensors"
 
                 def publish(p: Path = path) -> Awaitable[Weights | None]:
-                    return loop.run_in_executor(executor, _publish, policy, p, ranks, sync.transport is not None)
+                    return loop.run_in_executor(executor, _publish, policy, p, ranks, not by_file)
 
                 report = await sync.sync(version, publish)
-                if ranks.drives and sync.transport is None:
+                if ranks.drives and by_file:
                     _prune(weights_dir, version, t.keep_versions)
                 stats.sync = report.cost
                 result.versions.append(stats)
@@ -184,22 +191,21 @@ async def run_training(
     return result
 
 
-def _transport(cfg: TrainerConfig, client: RolloutClient | None) -> StateDictTransport | None:
-    """The state-dict transport of `trainer.weight_transfer` (None: weight files)."""
+def _publisher(cfg: TrainerConfig, client: RolloutClient | None) -> WeightPublisher:
+    """The publisher of `trainer.weight_transfer`: weight files, or a broadcast to the replicas."""
     t = cfg.trainer
     if t.weight_transfer == "file" or client is None:
-        return None
+        return PathPublisher()
     from trainer.collective import CollectiveWeights  # lazy: only jobs that broadcast need it
 
-    transport: StateDictTransport = CollectiveWeights(
-        client, address=t.collective_address, bucket_bytes=int(t.bucket_mb * 2**20)
+    return CollectivePublisher(
+        CollectiveWeights(client, address=t.collective_address, bucket_bytes=int(t.bucket_mb * 2**20))
     )
-    return transport
 
 
 def _publish(policy: Policy, path: Path, ranks: Ranks, as_state_dict: bool) -> Weights | None:
     """The sync's publish, on the model thread: every rank joins the gather; the driving rank
-    writes the weights file, or hands the state dict to the transport."""
+    writes the weights file, or hands the state dict to the publisher."""
     state = policy.full_state_dict()
     if not ranks.drives:
         return None
@@ -236,10 +242,9 @@ async def _train_version(
                 continue
             batch.append(sample)
         if ranks.distributed:
-            shared = (batch, batch_dropped, batch_taken)
-            batch, batch_dropped, batch_taken = await loop.run_in_executor(
-                executor, share_from_driver, shared, ranks
-            )
+            mine = MiniBatch(samples=batch, dropped=batch_dropped, taken=batch_taken) if ranks.drives else None
+            shared = await loop.run_in_executor(executor, share_from_driver, mine, MiniBatch, ranks)
+            batch, batch_dropped, batch_taken = shared.samples, shared.dropped, shared.taken
         taken += batch_taken
         dropped += batch_dropped
         result.dropped_stale += batch_dropped

@@ -1,6 +1,6 @@
 """The profiled weight sync: the one object that calls stop -> update_weights -> start in order.
 
-    async with ProfiledWeightSync(schedule, client, ...) as sync:   # begin(): start step 1
+    async with ProfiledWeightSync(schedule, client, save_path=...) as sync:   # begin(): start step 1
         ... train, with sync.fit_step(version) around each mini-batch ...
         await sync.sync(k, publish)                                  # at each new version
     # end(): whatever is active is stopped, also on an exception
@@ -11,9 +11,16 @@ A sync whose steps are not profiled makes no profiling call at all. The trainer'
 torch.profiler window per profiled step covers the mini-batches that produce version k and is
 written to step_<k>/trainer/rank_<r>/ with the sync's critical-path cost.
 
-With several trainer ranks (docs/trainer.md#several-ranks) every rank runs one, in lockstep: the
-driving rank (`drives=True`) makes the app's calls; the others learn the plan from the schedule
-alone, make no HTTP call, and profile the same steps when they are selected (`records`).
+How the weights travel is the `WeightPublisher` it is given, one per transfer mode
+(docs/trainer.md#weight-transfer-modes): `PathPublisher` (a weights file, the default),
+`InClusterPublisher` (the Ray object store), `CollectivePublisher` (a broadcast to the replicas) or
+`ExternalPublisher` (the trainer's own transfer). One object per mode, so no two modes can be asked
+for at once.
+
+With several trainer ranks (docs/trainer.md#several-ranks) every rank runs one, in lockstep, each
+with its `RankRole`: the driving rank (`drives=True`) makes the app's calls; the others learn the
+plan from the schedule alone, make no HTTP call, and profile the same steps when they are selected
+(`records`).
 """
 
 from __future__ import annotations
@@ -22,10 +29,12 @@ import asyncio
 import contextlib
 import logging
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, TypeVar, get_args
+from typing import TYPE_CHECKING, ClassVar, Protocol, TypeVar
 
 from pydantic import BaseModel
 
@@ -41,27 +50,152 @@ from trainer.client import RolloutClient, RolloutError
 if TYPE_CHECKING:
     import torch
 
+    from trainer.collective import CollectiveWeights
+    from trainer.in_cluster import InClusterWeights
+
 T = TypeVar("T")
 Weights = str | Path | Mapping[str, "torch.Tensor"]
-"""What a sync publishes: a weights path (HTTP), or a state dict (for a `transport`)."""
+"""What a sync publishes: a weights path (PathPublisher), or a state dict (InClusterPublisher,
+CollectivePublisher)."""
 Publish = Callable[[], Awaitable["Weights | None"]] | str | Path
 """`sync`'s `publish`: a weights path, or an async callable returning one or a state dict (None on
 a rank that only joins the gather)."""
 UpdateFn = Callable[[int], Awaitable[object]]
 """A trainer's own weight transfer: `await update(version)` moves version's weights to the engines."""
 log = logging.getLogger(__name__)
+_NO_WEIGHTS = (
+    "sync() got no weights to publish: pass publish (a path, or an async callable returning one or a state "
+    "dict), or construct ProfiledWeightSync with publisher=ExternalPublisher(update) for your own transfer"
+)
+
+
+class WeightPublisher(ABC):
+    """How a sync's weights reach the replicas, between its stop and its start: one subclass per
+    transfer mode (docs/trainer.md#weight-transfer-modes). Only the driving rank's is used."""
+
+    transfer: ClassVar[Transfer]
+    """The manifest's `sync.transfer` for it."""
+
+    @abstractmethod
+    def check(self, weights: Weights | None) -> None:
+        """Raise TypeError when `weights` (what `publish` gave) cannot be published this way. Called
+        before the sync's first call to the app: a sync that cannot update the weights stops no step."""
+
+    @abstractmethod
+    async def update_weights(
+        self, app: RolloutClient, version: int, weights: Weights | None, *, resume: bool
+    ) -> UpdateWeightsResponse:
+        """Load `weights` (checked) as `version` on every replica of the app behind `app`; the
+        answer's `transfer_s` and `load_s` are the sync's. `resume`: end the hold on generation
+        afterwards (False: the next step's start ends it). RolloutError: the app refused."""
+
+
+class PathPublisher(WeightPublisher):
+    """Weight files (mode file, the default): `publish` writes a checkpoint inside the app's
+    `weights_dir` and returns its path; the replicas read it (`/weights/update` with the path)."""
+
+    transfer = "file"
+
+    def check(self, weights: Weights | None) -> None:
+        self._path(weights)
+
+    async def update_weights(
+        self, app: RolloutClient, version: int, weights: Weights | None, *, resume: bool
+    ) -> UpdateWeightsResponse:
+        return await app.update_weights(version, self._path(weights), resume=resume)
+
+    @staticmethod
+    def _path(weights: Weights | None) -> str:
+        if weights is None:
+            raise TypeError(_NO_WEIGHTS)
+        if not isinstance(weights, (str, Path)):
+            raise TypeError(
+                "publish returned a state dict, but this ProfiledWeightSync publishes weight files: pass "
+                "publisher=InClusterPublisher(transport=InClusterWeights(app_name)) or "
+                "CollectivePublisher(transport=CollectiveWeights(client, ...)), or return a weights path"
+            )
+        return str(weights)
 
 
 class StateDictTransport(Protocol):
-    """Moves a state dict to every replica as `version`: InClusterWeights (mode `object_store`,
-    trainer/in_cluster.py) or CollectiveWeights (mode `collective`, trainer/collective.py)."""
-
-    mode: str
-    """The manifest's `sync.transfer` for it: object_store or collective."""
+    """Moves a state dict to every replica as `version`: InClusterWeights (trainer/in_cluster.py)
+    or CollectiveWeights (trainer/collective.py)."""
 
     async def update_weights(
         self, version: int, state_dict: Mapping[str, torch.Tensor], *, resume: bool
     ) -> UpdateWeightsResponse: ...
+
+
+class StateDictPublisher(WeightPublisher):
+    """The publishers to which `publish` returns the state dict itself (the full one, on the
+    driving rank), moved by `transport`: nothing is written to disk."""
+
+    def __init__(self, transport: StateDictTransport):
+        self.transport = transport
+
+    def check(self, weights: Weights | None) -> None:
+        self._state_dict(weights)
+
+    async def update_weights(
+        self, app: RolloutClient, version: int, weights: Weights | None, *, resume: bool
+    ) -> UpdateWeightsResponse:
+        return await self.transport.update_weights(version, self._state_dict(weights), resume=resume)
+
+    def _state_dict(self, weights: Weights | None) -> Mapping[str, torch.Tensor]:
+        if weights is None:
+            raise TypeError(_NO_WEIGHTS)
+        if isinstance(weights, (str, Path)):
+            raise TypeError(
+                f"publish returned a path, but this ProfiledWeightSync publishes state dicts "
+                f"({type(self).__name__}): return the state dict, or publish weight files with PathPublisher()"
+            )
+        return weights
+
+
+class InClusterPublisher(StateDictPublisher):
+    """Through the Ray object store (mode object_store), for a trainer in the app's Ray cluster: every
+    replica, on every node, fetches the state dict from there (docs/multi_node.md)."""
+
+    transfer = "object_store"
+
+    def __init__(self, transport: InClusterWeights):
+        """`transport`: `InClusterWeights(app_name)` (trainer/in_cluster.py)."""
+        super().__init__(transport)
+
+
+class CollectivePublisher(StateDictPublisher):
+    """By broadcast over a process group made per sync (mode collective; the app needs
+    `weight_transfer: collective`: docs/design.md#weights-by-collective)."""
+
+    transfer = "collective"
+
+    def __init__(self, transport: CollectiveWeights):
+        """`transport`: `CollectiveWeights(client, address=...)` (trainer/collective.py)."""
+        super().__init__(transport)
+
+
+class ExternalPublisher(WeightPublisher):
+    """The trainer's own transfer (mode external: its NCCL group with the engines, CUDA IPC, an
+    engine RPC): `await update(version)` moves the weights, then the app is told the version
+    (`/weights/update` with source external) and checks that every replica's engine reports it.
+    `sync`'s `publish` is then not needed."""
+
+    transfer = "external"
+
+    def __init__(self, update: UpdateFn):
+        self.update = update
+
+    def check(self, weights: Weights | None) -> None:
+        """Anything: `update` moves the weights, so what a `publish` returned is not used."""
+
+    async def update_weights(
+        self, app: RolloutClient, version: int, weights: Weights | None, *, resume: bool
+    ) -> UpdateWeightsResponse:
+        t0 = time.perf_counter()
+        await self.update(version)
+        transfer_s = time.perf_counter() - t0
+        answer = await app.adopt_weights(version, resume=resume)
+        return answer.model_copy(update={"transfer_s": transfer_s})
 
 
 class DriverNote(BaseModel):
@@ -89,6 +223,28 @@ class RankLink(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class RankRole:
+    """This process's part among the trainer's ranks (docs/trainer.md#several-ranks). The default is
+    a trainer of one rank, which drives and records; `Ranks.role()` (trainer/distributed.py) makes
+    one for a rank of a process group."""
+
+    rank: int = 0
+    """This process's trainer rank: it records into step_<k>/trainer/rank_<rank>/."""
+    drives: bool = True
+    """Whether it drives the app (the profiling and weight calls): one rank does, and the others
+    may have no client."""
+    records: bool = True
+    """Whether it records the profiled steps."""
+    ranks: Sequence[int] | None = None
+    """The ranks that record (the driving rank writes them into each window's trainer record, so a
+    selected rank that dies is named); None: this rank if it records."""
+    world_size: int = 1
+    """The trainer's ranks in all."""
+    link: RankLink | None = None
+    """The other ranks (several ranks: the driving rank's note and clock at each stop)."""
+
+
 class SyncReport(BaseModel):
     """What one sync did and what it cost on the critical path."""
 
@@ -97,66 +253,55 @@ class SyncReport(BaseModel):
 
 
 class ProfiledWeightSync:
+    """One trainer rank's profiled weight syncs: each sync's stop -> update_weights -> start, and
+    the trainer's own profiling windows (the module's docstring)."""
+
     def __init__(
         self,
         schedule: StepSchedule,
         client: RolloutClient | None,
         *,
         save_path: str | None,
+        publisher: WeightPublisher | None = None,
+        role: RankRole | None = None,
         options: ProfileOptions | None = None,
-        rank: int = 0,
-        drives: bool = True,
-        records: bool = True,
-        ranks: Sequence[int] | None = None,
-        world_size: int = 1,
-        link: RankLink | None = None,
         model_executor: Executor | None = None,
         merge_on_complete: bool = False,
-        transport: StateDictTransport | None = None,
-        update: UpdateFn | None = None,
     ):
-        """`save_path`: where the trainer writes its own traces (None: rollout side only).
-        `rank`, `drives`, `records`: this process's trainer rank; whether it drives the app (its
-        profiling and weight calls: one rank does, `client` may be None on the others); whether it
-        records the profiled steps into step_<k>/trainer/rank_<rank>/.
-        `ranks`, `world_size`: the ranks that record and the ranks in all (the driving rank writes
-        them into each window's trainer record, so a selected rank that dies is named); default:
-        this rank if it records.
-        `link`: the other ranks (several ranks: the driving rank's note and clock at each stop).
-        `transport`: publish state dicts through it (then `sync`'s `publish` returns the state dict
-        instead of a path). `update`: the trainer moves the weights itself (`await update(version)`)
-        and the app is told the version afterwards; `publish` is then not needed.
+        """`client`: the app's (None only where `role` does not drive).
+        `save_path`: where the trainer writes its own traces (None: rollout side only).
+        `publisher`: how the weights reach the replicas, and so what `sync`'s `publish` returns
+        (None: `PathPublisher()`, a weights path).
+        `role`: this process's trainer rank (None: `RankRole()`, the only rank).
+        `options`: the trainer's profiling windows (None: ProfileOptions' defaults).
         `model_executor`: the single thread that runs the trainer's model; trainer profiling
         is started and stopped there (torch.profiler records per thread).
         `merge_on_complete`: merge a step's traces when this process completes its manifest."""
-        if drives and client is None:
-            raise ValueError("the driving rank needs a RolloutClient: pass client, or drives=False on other ranks")
-        if transport is not None and update is not None:
-            raise ValueError("pass transport (a state dict the app moves) or update (your own transfer), not both")
-        if transport is not None and transport.mode not in get_args(Transfer):
-            raise ValueError(f"transport.mode {transport.mode!r} is not one of {list(get_args(Transfer))}")
+        role = role or RankRole()
+        if role.drives and client is None:
+            raise ValueError(
+                "the driving rank needs a RolloutClient: pass client, or RankRole(drives=False) on other ranks"
+            )
         self.schedule = schedule
         self.client = client
-        self.transport = transport
-        self.update = update
-        self.rank, self.drives = rank, drives
-        self.link = link
+        self.publisher = publisher or PathPublisher()
+        self.role = role
         self.options = options or ProfileOptions()
         self.active: int | None = None
         self._executor = model_executor or ThreadPoolExecutor(1, thread_name_prefix="trainer-model")
         self._store = TraceStore(save_path, merge_on_complete=merge_on_complete) if save_path else None
         self._record = TrainerRecord(
-            ranks=sorted(ranks) if ranks is not None else ([rank] if records else []),
-            world_size=world_size,
-            driver_rank=rank if drives else None,
+            ranks=sorted(role.ranks) if role.ranks is not None else ([role.rank] if role.records else []),
+            world_size=role.world_size,
+            driver_rank=role.rank if role.drives else None,
         )
         self._session = (
             ProfileSession(
                 store=self._store,
-                entry_identity=ManifestEntry(role="trainer", rank=rank),
+                entry_identity=ManifestEntry(role="trainer", rank=role.rank),
                 exporter=ThreadPoolExecutor(1, thread_name_prefix="trainer-export"),
             )
-            if self._store is not None and records
+            if self._store is not None and role.records
             else None
         )
         self._version = 0
@@ -206,32 +351,33 @@ class ProfiledWeightSync:
         self._version = version
         label = self.schedule.begin() if version == 0 else None
         if label is not None:
-            if self.drives:
+            if self.role.drives:
                 await self._app.start_profile(label, steps=list(self.schedule.window_steps(label)))
             await self._start_trainer(label)
             self.active = label
 
     async def sync(self, version: int, publish: Publish | None = None) -> SyncReport:
-        """Publish `version`: write the weights (`publish` returns their path, or with a
-        `transport` the state dict itself; with `update` it is not needed), then stop ->
+        """Publish `version`: write the weights (`publish` returns what the publisher moves: their
+        path, or the state dict itself; an ExternalPublisher needs none), then stop ->
         update_weights -> start as the schedule says. On a rank that does not drive, `publish`
         still runs (it may be its part of a collective gather) and the app is not called."""
         plan = self.schedule.sync(version)
-        cost = SyncCost(transfer=self._transfer_mode())
+        cost = SyncCost(transfer=self.publisher.transfer if self.role.drives else None)
         weights: Weights | None = None
         if publish is not None:
             t0 = time.perf_counter()
             weights = publish if isinstance(publish, (str, Path)) else await publish()
             cost.publish_s = time.perf_counter() - t0
-        if self.drives:
-            self._check_publishable(weights)  # before any call
+        if self.role.drives:
+            self.publisher.check(weights)  # before any call
             cost.began_at = time.time()
             if plan.stop_step is not None:
                 t0 = time.perf_counter()
                 await self._app.stop_profile(plan.stop_step, pause=True)
                 cost.stop_s = time.perf_counter() - t0
             t0 = time.perf_counter()
-            await self._update_weights(version, weights, cost, resume=plan.start_step is None)
+            answer = await self.publisher.update_weights(self._app, version, weights, resume=plan.start_step is None)
+            cost.transfer_s, cost.load_s = answer.transfer_s, answer.load_s
             cost.update_s = time.perf_counter() - t0
             if plan.start_step is not None:
                 t0 = time.perf_counter()
@@ -251,44 +397,6 @@ class ProfiledWeightSync:
             await self._start_trainer(plan.start_step)
         return SyncReport(plan=plan, cost=cost)
 
-    def _transfer_mode(self) -> Transfer | None:
-        if not self.drives:
-            return None
-        if self.update is not None:
-            return "external"
-        if self.transport is not None:
-            mode: Transfer = self.transport.mode  # type: ignore[assignment]  # checked in __init__
-            return mode
-        return "file"
-
-    def _check_publishable(self, weights: Weights | None) -> None:
-        if self.update is not None:
-            return
-        if weights is None:
-            raise TypeError(
-                "sync() got no weights to publish: pass publish (a path, or an async callable returning "
-                "one or a state dict), or construct ProfiledWeightSync with update= for your own transfer"
-            )
-        if not isinstance(weights, (str, Path)) and self.transport is None:
-            raise TypeError(
-                "publish returned a state dict, but this ProfiledWeightSync has no transport: pass "
-                "transport=InClusterWeights(app_name) or CollectiveWeights(client, ...), or return a weights path"
-            )
-
-    async def _update_weights(self, version: int, weights: Weights | None, cost: SyncCost, *, resume: bool) -> None:
-        if self.update is not None:
-            t0 = time.perf_counter()
-            await self.update(version)
-            cost.transfer_s = time.perf_counter() - t0
-            cost.load_s = (await self._app.adopt_weights(version, resume=resume)).load_s
-            return
-        if isinstance(weights, (str, Path)):
-            answer = await self._app.update_weights(version, str(weights), resume=resume)
-        else:
-            assert self.transport is not None and weights is not None  # checked before the stop
-            answer = await self.transport.update_weights(version, weights, resume=resume)
-        cost.transfer_s, cost.load_s = answer.transfer_s, answer.load_s
-
     async def end(self, *, failed: bool = False) -> None:
         """Stop whatever is active (also after an exception); never raises for a dead app.
         `failed`: training ended by an exception; the other ranks may be gone, so this rank
@@ -296,7 +404,7 @@ class ProfiledWeightSync:
         label, self.active = self.active, None
         if label is None:
             return
-        if self.drives:
+        if self.role.drives:
             try:
                 await self._app.stop_profile(label)
             except Exception as e:  # noqa: BLE001 - cleanup must reach the trainer side too
@@ -305,15 +413,15 @@ class ProfiledWeightSync:
 
     # -- trainer-side profiling --------------------------------------------------------------
     async def _start_trainer(self, label: int) -> None:
-        if self.drives and self._store is not None and self._record.ranks:
+        if self.role.drives and self._store is not None and self._record.ranks:
             # The ranks that will record, before any of them does: a selected rank that never
             # finishes its entry is then awaited, and named when it dies.
             mine = self._record
             await asyncio.to_thread(
                 self._store.update_trainer_record, label, lambda r: mine.model_copy(update={"failures": r.failures})
             )
-        if self.link is not None:
-            await self.link.window_opened()
+        if self.role.link is not None:
+            await self.role.link.window_opened()
         if (session := self._session) is None:
             return
         spec = SessionSpec(step=label, steps=list(self.schedule.window_steps(label)), options=self.options)
@@ -323,16 +431,16 @@ class ProfiledWeightSync:
         session = self._session
         if session is not None:
             await self._on_model_thread(lambda: session.stop(label))
-            if cost is not None and self.drives:  # first: the clock exchange below may not finish
+            if cost is not None and self.role.drives:  # first: the clock exchange below may not finish
                 session.annotate(label, sync=cost)
         # After the sync's calls, off the rollout's critical path: the merge needs this
         # process's clock against the app's (docs/analysis.md#how-clocks-are-aligned).
-        offset = await self._driver_clock() if self.drives and (session is not None or self.link) else None
-        if self.link is not None and not alone:
-            note, offset = await self.link.from_driver(
-                DriverNote(clock_offset=offset, sync=cost) if self.drives else None
+        offset = await self._driver_clock() if self.role.drives and (session is not None or self.role.link) else None
+        if self.role.link is not None and not alone:
+            note, offset = await self.role.link.from_driver(
+                DriverNote(clock_offset=offset, sync=cost) if self.role.drives else None
             )
-            if session is not None and not self.drives and note.sync is not None:
+            if session is not None and not self.role.drives and note.sync is not None:
                 session.annotate(label, sync=note.sync)
         if session is not None and offset is not None:
             session.annotate(label, clock_offset=offset)

@@ -28,7 +28,15 @@ def wait_for_manifests(store: TraceStore, labels: list[int], timeout_s: float) -
 
 def profile_table(manifests: dict[int, StepManifest | None]) -> Table:
     table = Table(title="Profiled steps")
-    for col in ("step", "status", "trainer files", "rollout files", "rollout fwd steps", "sync stop/update/start ms", "MB"):
+    for col in (
+        "step",
+        "status",
+        "trainer files",
+        "rollout files",
+        "rollout fwd steps",
+        "sync stop/update/start ms",
+        "MB",
+    ):
         table.add_column(col, justify="right" if col != "status" else "left")
     for label, m in manifests.items():
         if m is None:
@@ -37,7 +45,11 @@ def profile_table(manifests: dict[int, StepManifest | None]) -> Table:
         trainer = [e for e in m.entries if e.role == "trainer"]
         rollout = [e for e in m.entries if e.role == "rollout"]
         s = m.sync
-        cost = "-" if s is None else "/".join("-" if x is None else f"{x * 1000:.0f}" for x in (s.stop_s, s.update_s, s.start_s))
+        cost = (
+            "-"
+            if s is None
+            else "/".join("-" if x is None else f"{x * 1000:.0f}" for x in (s.stop_s, s.update_s, s.start_s))
+        )
         table.add_row(
             ",".join(map(str, m.steps)),
             m.status,

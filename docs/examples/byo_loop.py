@@ -21,7 +21,7 @@ from profiling.config import GlobalProfilerConfig, ProfileOptions
 from profiling.schedule import StepSchedule
 from trainer.client import RolloutClient
 from trainer.policy import Policy, Sample
-from trainer.profiled_sync import ProfiledWeightSync
+from trainer.profiled_sync import ExternalPublisher, ProfiledWeightSync
 
 GLOBAL_PROFILER = {"tool": "torch", "steps": [1, 2], "profile_continuous_steps": False}
 TRAINER_PROFILER = {"activities": ["cpu"], "max_forward_steps": 200}
@@ -62,7 +62,7 @@ async def fit(args: argparse.Namespace, make_move: MakeMove) -> None:
             save_path=cfg.save_path,
             options=ProfileOptions.model_validate(TRAINER_PROFILER),
             model_executor=executor,
-            update=make_move(args, client, actor, executor),
+            publisher=ExternalPublisher(make_move(args, client, actor, executor)),
         )
         await sync.begin(first)  # version 0: starts step 1 if profiled
         failed = True
@@ -89,7 +89,8 @@ async def fit(args: argparse.Namespace, make_move: MakeMove) -> None:
                 report = await sync.sync(version)
                 cost = report.cost
                 print(
-                    f"v{version}: loss {loss:+.3f}, transfer {cost.transfer_s or 0:.3f} s, update {cost.update_s or 0:.3f} s"
+                    f"v{version}: loss {loss:+.3f}, transfer {cost.transfer_s or 0:.3f} s, "
+                    f"update {cost.update_s or 0:.3f} s"
                 )
             failed = False
         finally:

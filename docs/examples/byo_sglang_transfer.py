@@ -5,7 +5,7 @@ forms a process group with every server (the trainer rank 0, each server `rank_o
 tp_rank), broadcasts each tensor, and SGLang loads them and takes the new weight version. The app
 cannot do this for you (SGLang receives and loads in one call, so the replicas cannot first all
 receive and then all load: docs/sglang.md), but it profiles around it: `ProfiledWeightSync(...,
-update=move)` calls `await move(version)` between the stop (which holds generation) and the start
+publisher=ExternalPublisher(move))` calls `await move(version)` between the stop (which holds generation) and the start
 of the next profiled step, then publishes the version with `/weights/update {"source":
 "external"}`, which succeeds only when every replica's SGLang reports that version.
 
@@ -39,8 +39,8 @@ import torch
 import torch.distributed as dist
 
 from serve_app.api import PerReplica
+from serve_app.net import free_port
 from trainer.client import RolloutClient
-from trainer.distributed import free_port
 from trainer.policy import Policy
 
 

@@ -1,10 +1,11 @@
 """Bring your own weight transfer: a trainer that moves weights into vLLM replicas itself (runnable).
 
 Many RL trainers already have their own way to put weights into vLLM (an NCCL group of their own,
-CUDA IPC, vLLM's weight-transfer engine). They keep it: `ProfiledWeightSync(..., update=move)`
-calls `await move(version)` between the stop (which holds generation) and the start of the next
-profiled step, then publishes the version with `/weights/update {"source": "external"}`, which
-succeeds only when every replica's vLLM reports that version (docs/engines.md#vllm-engine-rpc).
+CUDA IPC, vLLM's weight-transfer engine). They keep it: `ProfiledWeightSync(...,
+publisher=ExternalPublisher(move))` calls `await move(version)` between the stop (which holds
+generation) and the start of the next profiled step, then publishes the version with
+`/weights/update {"source": "external"}`, which succeeds only when every replica's vLLM reports
+that version (docs/engines.md#vllm-engine-rpc).
 
 Here `move` is the simplest transfer through vLLM's own RPC, reached through the app's handle
 (`engine_rpc`, handle only, never HTTP):

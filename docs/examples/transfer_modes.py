@@ -8,7 +8,7 @@ second):
 * `--mode collective`: the trainer's rank broadcasts the state dict to every replica over a
   process group (the app needs `weight_transfer: collective`; nothing touches disk).
 
-The third, the trainer's own transfer (`update=`), is docs/examples/byo_vllm_transfer.py.
+The third, the trainer's own transfer (`ExternalPublisher`), is docs/examples/byo_vllm_transfer.py.
 "Training" here adds noise to the served checkpoint's tensors, one version at a time.
 
     python docs/examples/transfer_modes.py --url URL --mode file|collective
@@ -30,7 +30,7 @@ from profiling.schedule import StepSchedule
 from serve_app.tiny_model import ensure_tiny_model
 from trainer.client import RolloutClient
 from trainer.collective import CollectiveWeights
-from trainer.profiled_sync import ProfiledWeightSync
+from trainer.profiled_sync import CollectivePublisher, ProfiledWeightSync
 
 
 class Mode(StrEnum):
@@ -63,7 +63,7 @@ async def collective_mode(client: RolloutClient, model: dict[str, torch.Tensor],
     schedule = StepSchedule([versions[1], versions[2]])
     # --8<-- [start:collective]
     transport = CollectiveWeights(client, address="127.0.0.1")  # an address every replica can dial
-    sync = ProfiledWeightSync(schedule, client, save_path=None, transport=transport)
+    sync = ProfiledWeightSync(schedule, client, save_path=None, publisher=CollectivePublisher(transport))
 
     async def publish() -> dict[str, torch.Tensor]:
         return model  # with FSDP: the full state dict, gathered on this rank

@@ -16,8 +16,8 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")  # files only, no display
-import matplotlib.pyplot as plt  # noqa: E402 - after the backend is chosen
-from matplotlib.patches import Patch, Rectangle  # noqa: E402
+import matplotlib.pyplot as plt
+from matplotlib.patches import Patch, Rectangle
 
 STEPS = (1, 2, 5)
 VERSIONS = 5
@@ -81,16 +81,40 @@ def draw(out: Path) -> None:
         begin, finish = trainer_free[k] + 0.4, k * PERIOD - 0.4
         width = (finish - begin) / MINI_BATCHES
         for i in range(MINI_BATCHES):
-            ax.add_patch(Rectangle((begin + i * width + 0.15, ROWS["trainer"] - 0.25), width - 0.3, 0.5, color="#fdae6b", lw=0))
-        ax.text((begin + finish) / 2, ROWS["trainer"] + 0.02, f"mini-batches → v{k}", ha="center", va="center", fontsize=8)
+            ax.add_patch(
+                Rectangle((begin + i * width + 0.15, ROWS["trainer"] - 0.25), width - 0.3, 0.5, color="#fdae6b", lw=0)
+            )
+        ax.text(
+            (begin + finish) / 2, ROWS["trainer"] + 0.02, f"mini-batches → v{k}", ha="center", va="center", fontsize=8
+        )
         if k in STEPS:
-            ax.add_patch(Rectangle((begin - 0.2, ROWS["trainer"] - 0.36), finish - begin + 0.4, 0.72, fill=False, ec="#d62728", lw=1.8))
-            ax.text((begin + finish) / 2, ROWS["trainer"] + 0.5, f"trace step {k}", ha="center", color="#d62728", fontsize=9, weight="bold")
+            ax.add_patch(
+                Rectangle(
+                    (begin - 0.2, ROWS["trainer"] - 0.36), finish - begin + 0.4, 0.72, fill=False, ec="#d62728", lw=1.8
+                )
+            )
+            ax.text(
+                (begin + finish) / 2,
+                ROWS["trainer"] + 0.5,
+                f"trace step {k}",
+                ha="center",
+                color="#d62728",
+                fontsize=9,
+                weight="bold",
+            )
     # Rollout trace windows: from the start of step k to its stop.
     for k, begin, finish in windows:
         for y in rollout_rows:
             ax.add_patch(Rectangle((begin, y - 0.36), finish - begin, 0.72, fill=False, ec="#d62728", lw=1.8))
-        ax.text((begin + finish) / 2, rollout_rows[0] + 0.5, f"trace step {k} (weights v{k - 1})", ha="center", color="#d62728", fontsize=9, weight="bold")
+        ax.text(
+            (begin + finish) / 2,
+            rollout_rows[0] + 0.5,
+            f"trace step {k} (weights v{k - 1})",
+            ha="center",
+            color="#d62728",
+            fontsize=9,
+            weight="bold",
+        )
     # The calls of each sync, on a row of their own, and the sync instants across every row.
     for call, begin, finish, n in calls:
         ax.add_patch(Rectangle((begin, -0.95), finish - begin, 0.35, color=CALL_COLOURS[call], lw=0))

@@ -1,7 +1,7 @@
 """Fast, bounded-memory reading of large Chrome traces: events in chunks, and clock markers by
 byte search.
 
-Kineto (and so torch, vLLM and this project's backends) writes one event after another at a
+Kineto (and so torch, and every backend and engine that records with it) writes one event after another at a
 fixed indentation: `traceEvents` is `[\\n  {...},\\n  {...}...]`. JSON strings cannot hold a raw
 newline, so `,<newline><indent>{` only ever appears between tokens; a cut there that splits an
 event's own nesting leaves an unbalanced piece that fails to parse. So the events are read in

@@ -77,40 +77,43 @@ def merge_step(
     `merge.json` (and so in the manifest), and return the record.
 
     Serialised across processes by a lock file; the output is written to a temporary file and
-    renamed, so readers and racing mergers never see half a trace. `only_if_stale`: return None
-    without merging when the last merge was made from the same records (its digest matches).
-    A failed merge is recorded with its error and raised as MergeError.
+    renamed, so readers and racing mergers never see half a trace. The step is held
+    (`TraceStore.writing`) until the manifest shows the merge, so retention keeps it meanwhile.
+    `only_if_stale`: return None without merging when the last merge was made from the same
+    records (its digest matches). A failed merge is recorded with its error and raised as
+    MergeError.
     """
     step_dir = store.step_dir(step)
     load_manifest(store, step)  # StepNotFound before any lock file is made
-    with open(step_dir / ".merge.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        digest = store.records_digest(step)
-        if only_if_stale:
-            last = store.read_merge(step)
-            # A failed merge is not retried on the same records (the next change retries it).
-            if (
-                last is not None
-                and last.digest == digest
-                and (last.status == "error" or (step_dir / MERGED_TRACE).is_file())
-            ):
-                return None
-        manifest = load_manifest(store, step)
-        t0 = time.perf_counter()
-        try:
-            record = merge_manifest(step_dir, manifest, on_progress=on_progress)
-        except Exception as e:  # noqa: BLE001 - every failure is recorded in the manifest
-            record = MergeRecord(
-                status="error",
-                digest=digest,
-                finished_at=time.time(),
-                duration_s=time.perf_counter() - t0,
-                error=f"{type(e).__name__}: {e}",
-            )
-        else:
-            record.digest = digest
-        store.write_merge(step, record)
-    _record_in_manifest(store, step, record)
+    with store.writing(step):
+        with open(step_dir / ".merge.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            digest = store.records_digest(step)
+            if only_if_stale:
+                last = store.read_merge(step)
+                # A failed merge is not retried on the same records (the next change retries it).
+                if (
+                    last is not None
+                    and last.digest == digest
+                    and (last.status == "error" or (step_dir / MERGED_TRACE).is_file())
+                ):
+                    return None
+            manifest = load_manifest(store, step)
+            t0 = time.perf_counter()
+            try:
+                record = merge_manifest(step_dir, manifest, on_progress=on_progress)
+            except Exception as e:  # noqa: BLE001 - every failure is recorded in the manifest
+                record = MergeRecord(
+                    status="error",
+                    digest=digest,
+                    finished_at=time.time(),
+                    duration_s=time.perf_counter() - t0,
+                    error=f"{type(e).__name__}: {e}",
+                )
+            else:
+                record.digest = digest
+            store.write_merge(step, record)
+        _record_in_manifest(store, step, record)
     if record.status == "error":
         raise MergeError(f"merging step {step} failed: {record.error}")
     return record

@@ -77,7 +77,9 @@ def timeline_png(summary: StepSummary, width_in: float = 12.0, dpi: int = 90) ->
 
 def _png_with_legend(fig: Figure, ax: Axes, legend: list[Patch], below: float) -> bytes:
     """The figure as PNG bytes, with `legend` in one row `below` (axes fractions) the plot."""
-    ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -below), ncol=len(legend), fontsize=8, frameon=False)
+    ax.legend(
+        handles=legend, loc="upper center", bbox_to_anchor=(0.5, -below), ncol=len(legend), fontsize=8, frameon=False
+    )
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png")

@@ -70,7 +70,8 @@ def write_step_report(store: TraceStore, summary: StepSummary) -> Path:
         (
             f'<p>Merged timeline: <a href="{MERGED_TRACE}">{MERGED_TRACE}</a> (open it in the Perfetto UI).</p>'
             if merged.is_file()
-            else f'<p class="note">No merged timeline yet: <code>python -m profiling merge {_e(str(store.root))} --step {summary.step}</code></p>'
+            else '<p class="note">No merged timeline yet: '
+            f"<code>python -m profiling merge {_e(str(store.root))} --step {summary.step}</code></p>"
         ),
         f'<img alt="timeline of step {summary.step}" src="data:image/png;base64,{png}">',
         "<h2>RL step breakdown</h2>",
@@ -107,7 +108,8 @@ def write_index(store: TraceStore, summaries: dict[int, StepSummary]) -> Path:
         trace = f'<a href="step_{k}/{MERGED_TRACE}">merged trace</a>' if merged.is_file() else "-"
         if s is None:
             rows.append(
-                f'<tr><td class="l">{link}</td><td class="l" colspan="5">not summarized</td><td class="l">{trace}</td></tr>'
+                f'<tr><td class="l">{link}</td><td class="l" colspan="5">not summarized</td>'
+                f'<td class="l">{trace}</td></tr>'
             )
             continue
         rollout = s.by_role("rollout")
@@ -172,7 +174,8 @@ def _sync_table(s: StepSummary) -> str:
     if not s.control:
         return '<p class="note">No control-call timings for this step (no trainer entry with a sync).</p>'
     rows = "".join(
-        f'<tr><td class="l">{_e(c.name)}</td><td class="l">{_e(c.caller)}</td><td>{_e(_when(c.start))}</td><td>{c.dur_s * 1000:.1f}</td></tr>'
+        f'<tr><td class="l">{_e(c.name)}</td><td class="l">{_e(c.caller)}</td>'
+        f'<td>{_e(_when(c.start))}</td><td>{c.dur_s * 1000:.1f}</td></tr>'
         for c in s.control
     )
     return (
@@ -188,7 +191,8 @@ def _breakdown_section(s: StepSummary) -> list[str]:
     parts = [] if png is None else [
         f'<img alt="breakdown of step {s.step}" src="data:image/png;base64,{base64.b64encode(png).decode()}">'
     ]
-    return parts + [
+    return [
+        *parts,
         _replicas_table(b),
         _trainer_table(b),
         _facts_table(b),
@@ -204,14 +208,16 @@ def _breakdown_section(s: StepSummary) -> list[str]:
 def _replicas_table(b: StepBreakdown) -> str:
     head = (
         "<tr><th class='l'>replica</th><th>window s</th><th>generating s</th><th>held s</th><th>idle s</th>"
-        "<th>held for the sync s</th><th>finalizing s</th><th>exporting s</th><th>requests</th><th>failed</th><th>prompt tokens</th>"
+        "<th>held for the sync s</th><th>finalizing s</th><th>exporting s</th>"
+        "<th>requests</th><th>failed</th><th>prompt tokens</th>"
         "<th>output tokens</th><th>slowest s</th><th class='l'>versions served</th></tr>"
     )
     rows = "".join(
         f'<tr><td class="l">{_e(r.replica_id)}</td><td>{_num(r.window_s)}</td><td>{_num(r.generating_s)}</td>'
         f"<td>{_num(r.held_s)}</td><td>{_num(r.idle_s)}</td><td>{_num(r.sync_held_s)}</td><td>{_num(r.finalizing_s)}</td>"
         f"<td>{_num(r.exporting_s)}</td><td>{r.requests}</td><td>{r.failed}</td><td>{r.prompt_tokens}</td>"
-        f'<td>{r.output_tokens}</td><td>{_num(r.slowest_s)}</td><td class="l">{_e(_versions(r.weight_versions))}</td></tr>'
+        f'<td>{r.output_tokens}</td><td>{_num(r.slowest_s)}</td>'
+        f'<td class="l">{_e(_versions(r.weight_versions))}</td></tr>'
         for r in b.replicas
     )
     return "<table>" + head + rows + "</table>"
@@ -225,7 +231,8 @@ def _trainer_table(b: StepBreakdown) -> str:
         "<th>other s</th><th>finalizing s</th><th>exporting s</th></tr>"
     )
     rows = "".join(
-        f'<tr><td class="l">{t.rank}</td><td>{_num(t.window_s)}</td><td>{_num(t.training_s)}</td><td>{_num(t.sync_s)}</td>'
+        f'<tr><td class="l">{t.rank}</td><td>{_num(t.window_s)}</td>'
+        f'<td>{_num(t.training_s)}</td><td>{_num(t.sync_s)}</td>'
         f"<td>{_num(t.other_s)}</td><td>{_num(t.finalizing_s)}</td><td>{_num(t.exporting_s)}</td></tr>"
         for t in b.trainer
     )
@@ -239,7 +246,8 @@ def _facts_table(b: StepBreakdown) -> str:
         ("weight versions served (requests)", _e(_versions(b.weight_versions_served)) or "-"),
         (
             "imbalance: generating, tokens, requests (max / mean)",
-            f"{_num(i.generating_max_over_mean)}, {_num(i.output_tokens_max_over_mean)}, {_num(i.requests_max_over_mean)}",
+            f"{_num(i.generating_max_over_mean)}, "
+            f"{_num(i.output_tokens_max_over_mean)}, {_num(i.requests_max_over_mean)}",
         ),
         ("busiest → least busy replica", f"{_e(i.busiest or '-')} → {_e(i.least_busy or '-')}"),
         (
@@ -278,13 +286,17 @@ def _ops_table(p: ProcessSummary) -> str:
         f'<tr><td class="l">{_e(o.name)}</td><td>{o.count}</td><td>{o.self_ms:.3f}</td></tr>'
         for o in p.ops[:TOP_OPS]
     )
-    return f"<div><h3>{_e(p.key)}</h3><table><tr><th class='l'>op</th><th>calls</th><th>self ms</th></tr>{rows}</table></div>"
+    return (
+        f"<div><h3>{_e(p.key)}</h3><table><tr><th class='l'>op</th><th>calls</th><th>self ms</th></tr>"
+        f"{rows}</table></div>"
+    )
 
 
 def _alignment_table(s: StepSummary) -> str:
     rows = "".join(
         f'<tr><td class="l">{_e(a.key)}</td><td class="l">{_e(a.file)}</td><td class="l">{_e(a.source)}</td>'
-        f"<td>{a.offset_ns / 1000:.1f}</td><td>{_num(None if a.uncertainty_ns is None else a.uncertainty_ns / 1000)}</td>"
+        f"<td>{a.offset_ns / 1000:.1f}</td>"
+        f"<td>{_num(None if a.uncertainty_ns is None else a.uncertainty_ns / 1000)}</td>"
         f"<td>{_num(None if a.drift_ns is None else a.drift_ns / 1000)}</td>"
         f"<td>{a.reference_offset_ns / 1000:.1f}</td>"
         f"<td>{_num(None if a.reference_bound_ns is None else a.reference_bound_ns / 1000)}</td></tr>"

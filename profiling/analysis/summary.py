@@ -1,6 +1,6 @@
 """Per-step summaries from the trace events: per process, and across replicas.
 
-Per process: time in engine-step ranges (`profiling.step_ranges`: the engine steps of a replica,
+Per process: time in forward ranges (the entry's `trace_dialect`: the engine steps of a replica,
 the mini-batches of the trainer), ops ranked by self time, time in weight updates, and profiler
 overhead. Across replicas: how far apart they started and stopped, and the slowest one. The RL
 step breakdown (`breakdown.py`) comes from the manifest's records.
@@ -38,10 +38,9 @@ from profiling.manifest import (
     StepManifest,
     SyncCost,
 )
-from profiling.step_ranges import ENGINE_STEP_PREFIXES
+from profiling.markers import WEIGHT_UPDATE
 from profiling.store import TraceStore
 
-WEIGHT_UPDATE_PREFIX = "weight_update"
 CLOCK_PREFIX = "clock_sync"
 ANNOTATION_CATS = {"user_annotation", "gpu_user_annotation", "python_function", "Trace"}
 """Ranges that are labels, not ops: nested like ops (so they do not inflate their parents' self
@@ -227,6 +226,7 @@ class _ProcessReader:
     def read(self, inp: TraceInput, on_progress: Callable[[int], None] | None) -> None:
         probe = ClockProbe(self.entry)
         spans: list[tuple[str, float, float]] = []
+        forward_range = self.entry.trace_dialect.forward_range
         s = self.summary
         for ev in iter_events(inp.path, inp.fmt, on_progress):
             probe.see(ev)
@@ -246,9 +246,9 @@ class _ProcessReader:
             if cat == "Trace":
                 continue  # Kineto's whole-recording span
             if cat != "gpu_user_annotation":
-                if name.startswith(ENGINE_STEP_PREFIXES):
+                if name.startswith(forward_range):
                     spans.append(("forward", ts, dur))
-                elif name.startswith(WEIGHT_UPDATE_PREFIX):
+                elif name.startswith(WEIGHT_UPDATE):
                     spans.append(("weight_update", ts, dur))
             self.ops.add(ev.get("pid"), ev.get("tid"), ts, dur, name, cat)
         alignment = probe.alignment(inp.rel, inp.fmt.base_ns)

@@ -6,7 +6,7 @@ and takes every `*.json` / `*.gz` in it for a trace, keyed by the first `"rank":
 `*.pt.trace.json[.gz]` files for a run and each file's name before `.pt.trace.json` for a worker.
 A step's traces sit one directory per process, beside the step's own records and merged timeline,
 and every engine profiler that writes `distributedInfo` writes its own process group's rank
-(vLLM's single-GPU workers all say rank 0), so neither tool can load a step as written.
+(an engine's single-GPU workers all say rank 0), so neither tool can load a step as written.
 
 `build_tool_view` writes the directory both tools load: one file per trace, named
 `rank<r>-<process>[-<n>].pt.trace.json[.gz]`, whose `distributedInfo` says `rank` r and
@@ -74,10 +74,26 @@ class ToolView(BaseModel):
 
 def build_tool_view(store: TraceStore, step: int) -> ToolView:
     """(Re)write `step_<k>/ranks/` from the step's records; any earlier view is replaced whole,
-    and a reader never sees a half-written one (built aside, then renamed into place)."""
+    and a reader never sees a half-written one (built aside, then renamed into place). The step
+    is held while the view is written (`TraceStore.writing`), so retention keeps it meanwhile."""
     began = time.monotonic()
     step_dir = store.step_dir(step)
     inputs, skipped = find_inputs(step_dir, load_manifest(store, step))
+    with store.writing(step):
+        files, rewritten = _write_view(step_dir, inputs)
+    return ToolView(
+        step=step,
+        directory=str(step_dir / VIEW_DIR),
+        world_size=len(inputs),
+        files=files,
+        skipped=skipped,
+        rewritten_bytes=rewritten,
+        duration_s=round(time.monotonic() - began, 3),
+    )
+
+
+def _write_view(step_dir: Path, inputs: list[TraceInput]) -> tuple[list[ViewFile], int]:
+    """Build `ranks/` aside and rename it into place; returns its files and the bytes rewritten."""
     view = step_dir / VIEW_DIR
     building = step_dir / f".{VIEW_DIR}.{os.getpid()}.tmp"
     shutil.rmtree(building, ignore_errors=True)
@@ -105,15 +121,7 @@ def build_tool_view(store: TraceStore, step: int) -> ToolView:
     except BaseException:
         shutil.rmtree(building, ignore_errors=True)
         raise
-    return ToolView(
-        step=step,
-        directory=str(view),
-        world_size=len(inputs),
-        files=files,
-        skipped=skipped,
-        rewritten_bytes=rewritten,
-        duration_s=round(time.monotonic() - began, 3),
-    )
+    return files, rewritten
 
 
 def _process(inp: TraceInput) -> str:
@@ -176,8 +184,10 @@ def _dist_span(head: bytes) -> tuple[int, int] | None:
 def _rewrite(src: Path, dst: Path, info: dict[str, int]) -> None:
     """Copy the trace to `dst` with `distributedInfo: info` in its header, streaming."""
     value = json.dumps(info).encode()  # `"rank": 3`, with the space HTA's pattern needs
-    opener = igzip.open(dst, "wb", compresslevel=GZIP_LEVEL) if dst.name.endswith(".gz") else open(dst, "wb")
-    with open_binary(src) as f, opener as out:
+    gz = dst.name.endswith(".gz")
+    with (
+        igzip.open(dst, "wb", compresslevel=GZIP_LEVEL) if gz else open(dst, "wb")  # created before src is read
+    ) as out, open_binary(src) as f:
         head = f.read(HEAD_BYTES)
         body = head.lstrip()
         if body.startswith(b"["):  # array form: wrap it as the object form that can say its rank

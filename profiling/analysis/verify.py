@@ -4,13 +4,15 @@ For each step it checks the manifest (settled, failures explained), the files it
 (present; Chrome traces parse), the forward-step markers in every trace (the step's weight
 version, or a continuous window's versions in order, each after the `weight_update` that
 introduced it), their count against the manifest's `forward_steps`, the forward passes run on the
-step's weights outside its window, and clock alignment. Traces are streamed in bounded chunks
-(`chunks.iter_chunks`, the merge's reader): memory stays flat however large they are.
+step's weights outside its window, and clock alignment. Each entry's traces are read by its
+`trace_dialect`: an engine whose own profiler records names its forward ranges its own way, and
+may write the weight version into the file's name instead of the range's. Traces are streamed in
+bounded chunks (`chunks.iter_chunks`, the merge's reader): memory stays flat however large they
+are.
 """
 
 from __future__ import annotations
 
-import re
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,16 +24,21 @@ from pydantic import BaseModel
 
 from profiling.analysis.chunks import are_structs, iter_chunks
 from profiling.analysis.events import TRACE_SUFFIXES, NotATrace, sniff
-from profiling.manifest import ManifestEntry, StepManifest
-from profiling.step_ranges import FORWARD_STEP, SGLANG_FORWARD, sglang_recording, sglang_trace_version
+from profiling.manifest import ManifestEntry, StepManifest, TraceDialect
+from profiling.markers import (
+    FORWARD_STEP,
+    FORWARD_STEP_SHAPE,
+    format_forward_step,
+    format_weight_update,
+    parse_forward_step,
+    parse_weight_update,
+)
 from profiling.store import CorruptRecord, TraceStore
 
 Check = Literal["manifest", "files", "versions", "marker_count", "outside_window", "clock"]
 STEP_WIDE = "-"
 """The entry column of a finding about the step as a whole."""
 
-_FORWARD = re.compile(rf"^{re.escape(FORWARD_STEP)}(\d+) step=(\d+) weight_version=(-?\d+)")
-_WEIGHT_UPDATE = re.compile(r"^weight_update version=(-?\d+)")
 _ANNOTATION = "user_annotation"
 """The category of a `record_function` range on the CPU (its CUDA twin, `gpu_user_annotation`,
 repeats the name on the GPU's timeline and is not counted)."""
@@ -79,17 +86,13 @@ class _TraceScan:
     malformed: list[str] = field(default_factory=list)
     """Forward-step range names that do not carry `step=` and `weight_version=`."""
     updates: dict[int, float] = field(default_factory=dict)
-    """Weight version -> start of the first `weight_update version=<v>` range."""
+    """Weight version -> start of the first weight-update range that loaded it."""
     annotations: set[str] = field(default_factory=set)
     """Names of every other user-annotation range (the clock markers among them)."""
-    sglang_forwards: int = 0
-    """SGLang's own range around each forward (`step[...]`), which carries no version."""
-
-    @property
-    def sglang_version(self) -> int | None:
-        """The weight version an SGLang trace's file name carries (None: not an SGLang trace of
-        this project's adapter, docs/sglang.md)."""
-        return sglang_trace_version(self.name)
+    unversioned_forwards: int = 0
+    """Forward ranges of a dialect whose ranges carry no version (`version_in: file_name`)."""
+    file_version: int | None = None
+    """The weight version the file's name carries (None: the dialect puts none there)."""
 
 
 class _Findings:
@@ -220,7 +223,7 @@ def _check_entry(
         if not is_chrome_trace_name(rel):
             continue  # nsys reports, NPU directories: present is all that can be checked
         try:
-            scans.append(_scan(path, on_progress))
+            scans.append(_scan(path, entry.trace_dialect, on_progress))
         except (NotATrace, ijson.JSONError, OSError, EOFError, zlib.error, ValueError) as e:
             complete = False
             out.violation(
@@ -239,8 +242,8 @@ def _check_entry(
         _check_marker_count(entry, has_chrome, scans, out)
 
 
-def _scan(path: Path, on_progress: Callable[[int], None] | None) -> _TraceScan:
-    scan = _TraceScan(path.name)
+def _scan(path: Path, dialect: TraceDialect, on_progress: Callable[[int], None] | None) -> _TraceScan:
+    scan = _TraceScan(path.name, file_version=dialect.file_version_of(path.name))
     for chunk in iter_chunks(path, sniff(path), on_progress):
         if are_structs(chunk):
             ranges = [(e.name, e.ts) for e in chunk if e.cat == _ANNOTATION and e.ph in _RANGE_PHASES]
@@ -251,22 +254,21 @@ def _scan(path: Path, on_progress: Callable[[int], None] | None) -> _TraceScan:
                 if e.get("cat") == _ANNOTATION and e.get("ph") in _RANGE_PHASES
             ]
         for name, ts in ranges:
-            _add_range(scan, str(name), float(ts) if isinstance(ts, int | float) else 0.0)
+            _add_range(scan, dialect, str(name), float(ts) if isinstance(ts, int | float) else 0.0)
     scan.forward.sort(key=lambda m: m.ts)
     return scan
 
 
-def _add_range(scan: _TraceScan, name: str, ts: float) -> None:
-    if name.startswith(FORWARD_STEP):
-        if m := _FORWARD.match(name):
-            scan.forward.append(_Marker(ts, int(m.group(1)), int(m.group(2)), int(m.group(3))))
+def _add_range(scan: _TraceScan, dialect: TraceDialect, name: str, ts: float) -> None:
+    if name.startswith(dialect.forward_range):
+        if dialect.version_in == "file_name":
+            scan.unversioned_forwards += 1
+        elif m := parse_forward_step(name):
+            scan.forward.append(_Marker(ts, m.index, m.step, m.weight_version))
         else:
             scan.malformed.append(name)
-    elif u := _WEIGHT_UPDATE.match(name):
-        v = int(u.group(1))
+    elif (v := parse_weight_update(name)) is not None:
         scan.updates[v] = min(ts, scan.updates.get(v, ts))
-    elif name.startswith(SGLANG_FORWARD):
-        scan.sglang_forwards += 1
     else:
         scan.annotations.add(name)
 
@@ -281,7 +283,7 @@ def _check_versions(
                 key,
                 "versions",
                 f"{len(scan.malformed)} forward-step range(s) carry no step and weight version, e.g. "
-                f"{scan.malformed[0]!r}: expected 'forward_step#<i> step=<k> weight_version=<v>'",
+                f"{scan.malformed[0]!r}: expected '{FORWARD_STEP_SHAPE}'",
             )
     if discrete:
         expected = k - 1
@@ -293,13 +295,13 @@ def _check_versions(
                 f"holds work on weights v{expected} only",
             )
         wrong = [m for s in scans for m in s.forward if m.version != expected or m.step != k]
-        for scan in _sglang_recordings(scans):
-            if scan.sglang_version != expected:
+        for scan in _file_recordings(scans, entry.trace_dialect):
+            if scan.file_version != expected:
                 out.violation(
                     key,
                     "versions",
-                    f"{scan.name} is SGLang's recording on weights v{scan.sglang_version}, but step {k} "
-                    f"holds work on weights v{expected} only",
+                    f"{scan.name} is a recording on weights v{scan.file_version} (its file name says so), "
+                    f"but step {k} holds work on weights v{expected} only",
                 )
         if wrong:
             first = wrong[0]
@@ -307,7 +309,7 @@ def _check_versions(
                 key,
                 "versions",
                 f"{len(wrong)} forward step(s) not on step {k} / weights v{expected}, e.g. "
-                f"forward_step#{first.index} step={first.step} weight_version={first.version}: the window "
+                f"{format_forward_step(first.index, first.step, first.version)}: the window "
                 "recorded passes of another version (was the stop made with pause before the weight update?)",
             )
         return
@@ -317,12 +319,12 @@ def _check_versions(
         problem = _continuous_problem(scan, k, allowed, entry.late_start)
         if problem:
             out.violation(key, "versions", problem)
-    for scan in _sglang_recordings(scans):
-        if (v := scan.sglang_version) not in allowed:
+    for scan in _file_recordings(scans, entry.trace_dialect):
+        if (v := scan.file_version) not in allowed:
             out.violation(
                 key,
                 "versions",
-                f"{scan.name} is SGLang's recording on weights v{v}, outside the window's versions "
+                f"{scan.name} is a recording on weights v{v} (its file name says so), outside the window's versions "
                 f"v{allowed.start}..v{allowed.stop - 1}",
             )
 
@@ -332,7 +334,7 @@ def _continuous_problem(scan: _TraceScan, label: int, allowed: range, late_start
     within the window, each (after the window's first) after the `weight_update` that loaded it."""
     previous: int | None = None
     for m in scan.forward:
-        where = f"forward_step#{m.index} (weight_version={m.version})"
+        where = f"{FORWARD_STEP}{m.index} (weight_version={m.version})"
         if m.step != label:
             return f"{where} is labelled step={m.step}; the window is labelled by its first step, {label}"
         if m.version not in allowed:
@@ -347,7 +349,7 @@ def _continuous_problem(scan: _TraceScan, label: int, allowed: range, late_start
             loaded = scan.updates.get(m.version)
             if loaded is None or loaded > m.ts:
                 return (
-                    f"{where} runs before any 'weight_update version={m.version}' range in the same trace: "
+                    f"{where} runs before any '{format_weight_update(m.version)}' range in the same trace: "
                     "the weights it names were not loaded inside the window"
                 )
         previous = m.version
@@ -369,6 +371,7 @@ def _check_marker_count(entry: ManifestEntry, has_chrome: bool, scans: list[_Tra
                 "trace (nsys, NPU), so its markers are not checked",
             )
         return
+    dialect = entry.trace_dialect
     if any(s.forward for s in scans):
         # One trace per process; with tensor parallelism every rank marks the same iterations.
         for scan in scans:
@@ -381,31 +384,36 @@ def _check_marker_count(entry: ManifestEntry, has_chrome: bool, scans: list[_Tra
                     "recording, or a cut trace)",
                 )
         return
-    if sglang := _sglang_recordings(scans):
-        found = sum(s.sglang_forwards for s in sglang)
+    if recordings := _file_recordings(scans, dialect):
+        found = sum(s.unversioned_forwards for s in recordings)
         if found != expected:
             out.violation(
                 key,
                 "marker_count",
-                f"{found} SGLang forward ranges ('{SGLANG_FORWARD}...') in the traces, the manifest says "
+                f"{found} forward ranges ('{dialect.forward_range}...') in the traces, the manifest says "
                 f"{counted}={expected}: the count and the traces disagree",
             )
     elif expected > 0:
+        missing = (
+            f"the trace has no '{FORWARD_STEP_SHAPE}' range"
+            if dialect.version_in == "marker"
+            else "no trace file's name carries its weight version"
+        )
         out.violation(
             key,
             "versions",
-            f"forward steps carry no weight version: {counted}={expected} but the trace has no "
-            f"'{FORWARD_STEP}<i> step=<k> weight_version=<v>' range; the engine does not mark its passes",
+            f"forward steps carry no weight version: {counted}={expected} but {missing}; the engine does not "
+            "mark its passes",
         )
 
 
-def _sglang_recordings(scans: list[_TraceScan]) -> list[_TraceScan]:
-    """SGLang's traces without our markers, one per recording (per weight version, versioned by
-    file name): its ranks run the same forwards, so the first rank's trace stands for them."""
+def _file_recordings(scans: list[_TraceScan], dialect: TraceDialect) -> list[_TraceScan]:
+    """The traces of a dialect that names the version in the file, one per recording (per weight
+    version): a recording's ranks run the same forwards, so its first rank's trace stands for them."""
     firsts: dict[str, _TraceScan] = {}
     for scan in sorted(scans, key=lambda s: s.name):
-        if not scan.forward and scan.sglang_version is not None:
-            firsts.setdefault(sglang_recording(scan.name), scan)
+        if scan.file_version is not None:
+            firsts.setdefault(dialect.recording_of(scan.name), scan)
     return list(firsts.values())
 
 
@@ -415,6 +423,15 @@ def _check_outside(step: int, entry: ManifestEntry, out: _Findings) -> None:
     n = entry.forward_steps_outside
     if n is None:
         out.note(entry.key, "outside_window", f"forward passes on weights v{step - 1} outside the window: not counted")
+    elif n > 0 and entry.auto_stopped is not None:
+        # A capped window stops recording while its step stays active: what ran after the cap
+        # is unrecorded because the cap asked for it.
+        out.note(
+            entry.key,
+            "outside_window",
+            f"{n} forward pass(es) on weights v{step - 1} ran after the window was capped ({entry.auto_stopped}), "
+            "unrecorded as the cap asks",
+        )
     elif n > 0:
         out.violation(
             entry.key,

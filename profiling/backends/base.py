@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from profiling.config import ProfileOptions
-from profiling.manifest import AutoStop, ClockSample
+from profiling.manifest import AutoStop, ClockSample, TraceDialect
 from profiling.trace_budget import TraceCut
 
 
@@ -43,6 +43,9 @@ class ProfilerBackend(ABC):
 
     trace_files: tuple[str, ...] = ()
     """File names a recording exports, known before it starts (the manifest lists them early)."""
+    trace_dialect: TraceDialect = TraceDialect()
+    """How this profiler's traces name forward passes (written into the entry): this project's
+    markers, unless an engine's own profiler records."""
 
     def __init__(self, options: ProfileOptions):
         self.options = options

@@ -40,7 +40,7 @@ def import_torch_npu() -> ModuleType:
     """`torch_npu` with its profiler imported, or a RuntimeError that names the fix."""
     try:
         import torch_npu
-        import torch_npu.profiler  # noqa: F401 - the subpackage this backend drives
+        import torch_npu.profiler
     except (ImportError, OSError) as e:  # OSError: the wheel is there but CANN's libraries are not
         raise RuntimeError(f"{MISSING_TORCH_NPU} (import failed: {e})") from e
     return torch_npu

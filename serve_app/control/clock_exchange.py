@@ -18,6 +18,7 @@ from ray.serve.handle import DeploymentHandle
 
 from profiling.clock_exchange import PINGS, ClockReading, offset_from
 from profiling.manifest import ClockOffset
+from serve_app.control.fleet import replica_results
 
 log = logging.getLogger(__name__)
 
@@ -29,8 +30,9 @@ async def measure_replicas(handle: DeploymentHandle, *, timeout_s: float, pings:
         sent = time.time_ns()
         try:
             # Per-replica results, as the fleet's broadcast reads them: one slow replica must
-            # not void the others' exchanges.
-            results = await asyncio.wait_for(handle.broadcast("wall_clock")._fetch_replica_results_async(), timeout_s)
+            # not void the others' exchanges. Not broadcast() itself: it waits for every answer,
+            # and each reading is taken as its own answer lands.
+            results = await replica_results(handle, "wall_clock", timeout_s=timeout_s)
         except Exception as e:  # noqa: BLE001 - best effort: no replica reachable this round
             log.info("clock exchange: no replica reachable (%s)", e)
             continue

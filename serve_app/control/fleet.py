@@ -13,14 +13,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ray.serve.exceptions import DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 
 from serve_app.api import UNKNOWN_REPLICA, ReplicaReport
-from serve_app.desired_state import DesiredState, DesiredStateStore
+from serve_app.desired_state import DesiredState, DesiredStateRecord
 from serve_app.metrics import CONTROL_ERRORS
+
+if TYPE_CHECKING:
+    from ray.serve._private.replica_result import ReplicaResult  # private too: for the annotation only
 
 log = logging.getLogger(__name__)
 
@@ -42,15 +45,13 @@ async def broadcast(
     """
     deadline = time.monotonic() + timeout_s
     while True:
-        response = handle.broadcast(method, *args, **kwargs)
         try:
-            # Per-replica results: results_async() would fail the whole call on one slow replica.
-            replica_results = await asyncio.wait_for(
-                response._fetch_replica_results_async(), max(0.0, deadline - time.monotonic())
+            results = await replica_results(
+                handle, method, *args, timeout_s=max(0.0, deadline - time.monotonic()), **kwargs
             )
             break
         except TimeoutError:
-            replica_results = []
+            results = []
             break
         except DeploymentUnavailableError as e:
             # broadcast() only sees replicas the handle's router already knows, and a fresh
@@ -60,7 +61,7 @@ async def broadcast(
                 await asyncio.wait_for(getattr(handle, probe).remote(), max(0.0, deadline - time.monotonic()))
             except Exception:  # noqa: BLE001 - still none: report it per replica below
                 return _missing(expected, f"no replica reachable: {e}")
-    tasks = [asyncio.ensure_future(rr.get_async()) for rr in replica_results]
+    tasks = [asyncio.ensure_future(rr.get_async()) for rr in results]
     if tasks:
         await asyncio.wait(tasks, timeout=max(0.0, deadline - time.monotonic()))
     reports: list[ReplicaReport] = []
@@ -83,6 +84,23 @@ async def broadcast(
     return reports
 
 
+async def replica_results(
+    handle: DeploymentHandle, method: str, *args: Any, timeout_s: float, **kwargs: Any
+) -> list[ReplicaResult]:
+    """Call `method` on every replica the handle's router knows; one pending result per replica,
+    each awaited on its own (`get_async()`), so one slow or dead replica costs only its own answer.
+    TimeoutError: the call did not reach the replicas within `timeout_s`; DeploymentUnavailableError:
+    the router knows no replica yet.
+
+    The only door to Ray's private `DeploymentBroadcastResponse._fetch_replica_results_async`
+    (written against Ray 2.60.0): its public `results_async()` fails or times out the whole call
+    on one replica's error or silence. `broadcast` above and the clock exchange
+    (control/clock_exchange.py, which reads its clock as each answer lands) come through here; a
+    Ray upgrade that moves it is fixed here alone."""
+    response = handle.broadcast(method, *args, **kwargs)
+    return await asyncio.wait_for(response._fetch_replica_results_async(), timeout_s)
+
+
 def _missing(expected: set[str] | None, why: str) -> list[ReplicaReport]:
     if not expected:
         return [ReplicaReport(replica_id=UNKNOWN_REPLICA, ok=False, error=why)]
@@ -90,31 +108,46 @@ def _missing(expected: set[str] | None, why: str) -> list[ReplicaReport]:
 
 
 class Fleet:
-    """The rollout replicas as the control plane sees them. One per ingress."""
+    """The rollout replicas as the control plane sees them. One per controller."""
 
     def __init__(
-        self, replicas: DeploymentHandle, desired: DesiredStateStore, *, control_timeout_s: float, hold_timeout_s: float
+        self,
+        replicas: DeploymentHandle,
+        record: DesiredStateRecord,
+        *,
+        control_timeout_s: float,
+        hold_timeout_s: float,
     ):
         self.replicas = replicas
         self.lock = asyncio.Lock()
         """Held for the whole of each start, stop and weight update."""
-        self._desired = desired
+        self._record = record
         self._timeout_s = control_timeout_s
         self._hold_timeout_s = hold_timeout_s
         self._hold_timer: asyncio.TimerHandle | None = None
-        self._state: DesiredState | None = None
+        self._hold_armed = 0
+        """Counts hold deadlines armed: an expiry that waited for the lock while a later one was
+        armed (a load renewed the hold) is stale."""
+        self._state = DesiredState()
         self._known: set[str] = set()
+        self.weights_refs: list[Any] = []
+        """The object-store ref of the served weights, for replicas that join (in memory only: a
+        controller that restarts has none, and joiners copy from a peer replica instead)."""
         self.changes = 0
         """Counts publications of the desired state: a status read before the last one is stale."""
 
-    async def desired(self) -> DesiredState:
-        """The desired state; this controller is its only writer, so it is read once."""
-        if self._state is None:
-            self._state = await self._desired.get()
+    async def load(self, resume: bool) -> DesiredState:
+        """Read the desired state from its durable record, once, before any call is served."""
+        self._state = await self._record.load(resume)
         return self._state
 
-    async def publish(self, state: DesiredState) -> None:
-        """Make `state` the desired state (replicas that start read it)."""
+    async def desired(self) -> DesiredState:
+        """The desired state; this controller is its only writer, so it is kept in memory."""
+        return self._state
+
+    async def publish(self, state: DesiredState, *, renew_hold: bool = False) -> None:
+        """Make `state` the desired state (replicas that start read it) and record it.
+        `renew_hold`: a weight load just ended, and a hold that goes on counts from now."""
         if state.active is not None and state.active_since is None:
             # A step (re)starting: its start time travels with it, for a controller that
             # restarts mid-step.
@@ -123,36 +156,38 @@ class Fleet:
             state.active_since = None
         self._state = state
         self.changes += 1
-        self._track_hold(state.paused)
-        await self._desired.set(state)
+        self._track_hold(state.paused, renew_hold)
+        await self._record.save(state)
 
-    def _track_hold(self, paused: bool) -> None:
-        """The replicas' admission hold ends after hold_timeout_s however often it is asked for
-        again; so does the desired state's, or a replica that restarts later would hold again."""
-        if not paused and self._hold_timer is not None:
+    def _track_hold(self, paused: bool, renew: bool) -> None:
+        """The replicas' admission hold ends hold_timeout_s after it began, or after the load it
+        covers ended, however often it is asked for again; so does the desired state's, or a
+        replica that restarts later would hold again."""
+        if self._hold_timer is not None and (not paused or renew):
             self._hold_timer.cancel()
             self._hold_timer = None
-        elif paused and self._hold_timer is None:
+        if paused and self._hold_timer is None:
+            self._hold_armed += 1
+            armed = self._hold_armed
             self._hold_timer = asyncio.get_running_loop().call_later(
-                self._hold_timeout_s, lambda: asyncio.ensure_future(self._hold_expired())
+                self._hold_timeout_s, lambda: asyncio.ensure_future(self._hold_expired(armed))
             )
 
-    async def _hold_expired(self) -> None:
+    async def _hold_expired(self, armed: int) -> None:
         async with self.lock:
+            if armed != self._hold_armed:
+                return  # renewed by a load while this expiry waited for the lock
             self._hold_timer = None
             state = await self.desired()
             if state.paused:
                 log.warning("admission hold expired without a weight update or start; the app no longer holds")
                 await self.publish(state.model_copy(update={"paused": False}))
 
-    async def set_weights_refs(self, refs: list[Any]) -> None:
-        """Keep the object-store ref of the served weights where joining replicas find it."""
-        await self._desired.set_weights_refs(refs)
-
     async def broadcast(self, method: str, *args: Any, timeout_s: float | None = None) -> list[ReplicaReport]:
         """`method` on every replica; a replica that answered before and is silent now is
         reported by name."""
-        reports = await broadcast(self.replicas, method, *args, timeout_s=timeout_s or self._timeout_s, expected=self._known)
+        timeout_s = timeout_s or self._timeout_s
+        reports = await broadcast(self.replicas, method, *args, timeout_s=timeout_s, expected=self._known)
         self._known = {r.replica_id for r in reports if r.ok or r.conflict}
         if failed := sum(not r.ok for r in reports):
             CONTROL_ERRORS.labels(method).inc(failed)

@@ -5,6 +5,7 @@ max_duration_s watchdog, and the export backlog (docs/design.md#status-codes).""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
@@ -18,9 +19,11 @@ from serve_app.api import (
     StopProfileResponse,
 )
 from serve_app.config import AppArgs
+from serve_app.control.capabilities import require
 from serve_app.control.clock_exchange import measure_replicas
 from serve_app.control.fleet import Fleet, broadcast
 from serve_app.control.step_records import StepRecords
+from serve_app.engines.options import Capability
 from serve_app.errors import BacklogFull, Conflict, ControlError, Refused, Unavailable
 from serve_app.metrics import EXPORTING_STEPS, observe_stop, timed_call
 
@@ -32,25 +35,32 @@ class ProfileControl:
         self._fleet = fleet
         self._records = records
         self._args = args
-        self._watchdog: asyncio.Task[None] | None = None
+        self._watchdog: asyncio.Future[None] | None = None
+        self._watched: int | None = None
+        """The step the watchdog is armed for."""
+        self._last_stop: tuple[StopProfileRequest, StopProfileResponse] | None = None
+        """The last stop a caller made that stopped a step, and its answer: a repeat gets it again."""
         self._exporting: set[int] = set()  # stopped steps whose traces are still being written
         self._last_status: tuple[float, int, StatusResponse] | None = None
         """When the last status was read, the fleet's change count then, and the status."""
         EXPORTING_STEPS.set_function(lambda: len(self._exporting))
 
     async def recover(self) -> None:
-        """Take over from a controller that died mid-step (the ingress restarted): re-arm the
-        active step's max_duration_s watchdog for the time it has left, so a step nobody stops
-        still ends."""
-        desired = await self._fleet.desired()
-        if desired.active is not None:
-            log.info("recovered active step %s from the desired state", desired.active.step)
-            self._arm_watchdog(desired.active, since=desired.active_since)
-        if desired.paused:  # its hold timer went with the old controller
-            await self._fleet.publish(desired)
+        """Take over from a controller that died mid-step: re-arm the active step's
+        max_duration_s watchdog for the time it has left (a step nobody stops still ends), bring
+        in replicas that a start cut short never reached and write its session record if that
+        start did not, and re-arm a hold's deadline (its timer went with the old controller)."""
+        async with self._fleet.lock:
+            desired = await self._fleet.desired()
+            if desired.active is not None:
+                log.info("recovered active step %s from the desired state", desired.active.step)
+                await self._join(desired.active, since=desired.active_since)
+            if desired.paused:
+                await self._fleet.publish(desired)
 
     # -- /profile/start -------------------------------------------------------------------
     async def start(self, req: StartProfileRequest) -> StartProfileResponse:
+        require(self._args, Capability.PROFILE)
         async with self._fleet.lock, timed_call("start"):
             desired = await self._fleet.desired()
             steps = sorted(set(req.steps or [req.step]))
@@ -67,36 +77,57 @@ class ProfileControl:
             self._check_export_backlog(req.step)
             await self._records.prepare(req.step)
             spec = SessionSpec(step=req.step, steps=steps, options=options, tag=req.tag)
-            record = SessionRecord(
-                step=spec.step, steps=spec.steps, tool=options.tool, tag=spec.tag, options=options, started_at=time.time()
-            )
+            record = self._session_record(spec, None)
             desired.active, desired.paused = spec, False
             await self._fleet.publish(desired)
+            self._arm_watchdog(spec)  # with the publish: whatever happens next, the step ends
             reports = await self._fleet.broadcast("start_profile", spec)
             if conflicts := [r for r in reports if r.conflict]:
                 # Roll back: the fleet is not where this start needs it.
                 await self._fleet.broadcast("stop_profile", spec.step, False)
+                self._disarm_watchdog()
                 desired.active = None
                 await self._fleet.publish(desired)
                 raise Conflict(conflicts[0].error or "replica conflict", reports)
             if not any(r.ok for r in reports):
                 # Nothing records this step: do not leave the fleet claiming it is active.
+                self._disarm_watchdog()
                 desired.active = None
                 await self._fleet.publish(desired)
                 record.stopped_at = time.time()
                 record.failures = {r.replica_id: r.error or "start failed" for r in reports}
                 await self._records.failed_start(spec.step, record)
-                detail = f"no replica started step {spec.step}: " + "; ".join(f"{r.replica_id}: {r.error}" for r in reports)
+                failures = "; ".join(f"{r.replica_id}: {r.error}" for r in reports)
+                detail = f"no replica started step {spec.step}: {failures}"
                 raise (Refused if any(r.refused for r in reports) else Unavailable)(detail, reports)
             self._records.started(spec.step, record, {r.replica_id for r in reports if r.ok})
             self._records.background(self._measure_clocks(spec.step))
-            self._arm_watchdog(spec)
             return StartProfileResponse(step=spec.step, steps=spec.steps, state="profiling", replicas=reports)
 
-    async def _join(self, spec: SessionSpec) -> StartProfileResponse:
+    async def _join(self, spec: SessionSpec, since: float | None = None) -> StartProfileResponse:
+        """The active step again: replicas that missed it join, and what a start cut short left
+        undone (the watchdog, the session record) is done now. `since`: when the step started,
+        for a controller that restarted."""
+        if since is None:
+            since = (await self._fleet.desired()).active_since
+        if self._watched != spec.step:
+            self._arm_watchdog(spec, since=since)
         reports = await self._fleet.broadcast("start_profile", spec)
-        self._records.started(spec.step, None, {r.replica_id for r in reports if r.ok})
+        self._records.started(
+            spec.step, None, {r.replica_id for r in reports if r.ok}, if_missing=self._session_record(spec, since)
+        )
         return StartProfileResponse(step=spec.step, steps=spec.steps, state="already_profiling", replicas=reports)
+
+    @staticmethod
+    def _session_record(spec: SessionSpec, started_at: float | None) -> SessionRecord:
+        return SessionRecord(
+            step=spec.step,
+            steps=spec.steps,
+            tool=spec.options.tool,
+            tag=spec.tag,
+            options=spec.options,
+            started_at=started_at if started_at is not None else time.time(),
+        )
 
     def _check_export_backlog(self, step: int) -> None:
         """Refuse a new step while too many earlier steps are still exporting: each unexported
@@ -115,6 +146,7 @@ class ProfileControl:
     def _arm_watchdog(self, spec: SessionSpec, since: float | None = None) -> None:
         """Stop the step after max_duration_s even if no trainer ever calls stop; `since`:
         when the step started (unix seconds), if before now."""
+        self._disarm_watchdog()
         limit = spec.options.max_duration_s
         if limit is None:
             return
@@ -124,18 +156,28 @@ class ProfileControl:
         async def expire() -> None:
             await asyncio.sleep(max(0.0, delay))
             log.warning("step %s reached max_duration_s=%s; stopping it", spec.step, limit)
-            try:
+            with contextlib.suppress(ControlError):  # already stopped, or another step is active
                 await self.stop(StopProfileRequest(step=spec.step), reason="max_duration_s")
-            except ControlError:
-                pass  # already stopped, or another step is active
 
-        self._watchdog = asyncio.ensure_future(expire())
+        self._watchdog, self._watched = asyncio.ensure_future(expire()), spec.step
+
+    def _disarm_watchdog(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        self._watchdog = self._watched = None
 
     # -- /profile/stop --------------------------------------------------------------------
     async def stop(self, req: StopProfileRequest, reason: str | None = None) -> StopProfileResponse:
+        require(self._args, Capability.PROFILE)
+        if req.pause:
+            require(self._args, Capability.PAUSE, "pause: true")
         async with self._fleet.lock, timed_call("stop"):
             t0 = time.perf_counter()
             desired = await self._fleet.desired()
+            if desired.active is None and self._last_stop is not None and self._last_stop[0] == req:
+                # A repeat of the stop that stopped this step (its caller timed out or retried): its
+                # answer again, and nothing else (a hold it asked for may have ended since, by design).
+                return self._last_stop[1]
             if desired.active is None:
                 if req.pause:
                     desired.paused = True
@@ -152,20 +194,23 @@ class ProfileControl:
             )
             critical_path_s = time.perf_counter() - t0
             observe_stop(critical_path_s, reports)
-            if self._watchdog is not None and reason is None:
-                self._watchdog.cancel()
-            self._watchdog = None
+            if reason is None:  # the watchdog's own stop must not cancel the task running it
+                self._disarm_watchdog()
+            else:
+                self._watchdog = self._watched = None
             self._records.stopped(step, time.time(), reason, reports)
             self._records.background(self._measure_clocks(step))
             self._exporting.add(step)
             self._records.background(self._collect_exports(step, {r.replica_id for r in reports if r.ok and r.files}))
-            return StopProfileResponse(
+            response = StopProfileResponse(
                 step=step,
                 stopped=True,
                 replicas=reports,
                 manifest=str(self._records.store.step_dir(step) / "manifest.json"),
                 critical_path_s=critical_path_s,
             )
+            self._last_stop = (req, response) if reason is None else None
+            return response
 
     async def _measure_clocks(self, step: int) -> None:
         """Measure every replica's clock against this controller's (the app's reference clock)
@@ -176,6 +221,11 @@ class ProfileControl:
     async def _collect_exports(self, step: int, replica_ids: set[str]) -> None:
         """Wait for every replica's export; record those that failed or never finished."""
         try:
+            # Around Fleet.broadcast on purpose: this runs in the background, outside the fleet's
+            # lock, for up to export_timeout_s, and Fleet.broadcast would overwrite the replicas the
+            # locked control calls expect with what was live when it began (a replica removed
+            # since would fail the next call) and count export failures as control errors; they
+            # are recorded with the step instead.
             reports = await broadcast(
                 self._fleet.replicas, "export_report", step, timeout_s=self._args.export_timeout_s + 5
             )
@@ -207,6 +257,7 @@ class ProfileControl:
             weight_version=desired.weight_version,
             paused=desired.paused,
             replicas=reports,
+            control_timeout_s=self._args.control_timeout_s,
         )
         self._last_status = (time.monotonic(), changes, response)
         return response

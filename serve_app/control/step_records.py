@@ -90,11 +90,14 @@ class StepRecords:
         async with self._books:
             await asyncio.to_thread(write)
 
-    def started(self, step: int, fresh: SessionRecord | None, joined: set[str]) -> None:
-        """After a start: the replicas that joined `step` (`fresh`: a new step's record)."""
+    def started(
+        self, step: int, fresh: SessionRecord | None, joined: set[str], *, if_missing: SessionRecord | None = None
+    ) -> None:
+        """After a start: the replicas that joined `step` (`fresh`: a new step's record;
+        `if_missing`: the record to write if the step has none, a start having been cut short)."""
 
         def write() -> None:
-            record = fresh or self.store.read_session(step)
+            record = fresh or self.store.read_session(step) or if_missing
             if record is not None:
                 record.replicas = sorted({*record.replicas, *joined})
                 self.store.write_session(step, record)

@@ -18,11 +18,13 @@ from serve_app.api import (
     ReplicaReport,
     UpdateWeightsRequest,
     UpdateWeightsResponse,
-    plan_buckets,
+    receive_bound_s,
 )
 from serve_app.config import AppArgs
+from serve_app.control.capabilities import require
 from serve_app.control.fleet import Fleet
 from serve_app.desired_state import DesiredState
+from serve_app.engines.options import Capability
 from serve_app.errors import Conflict, Refused, Unavailable
 from serve_app.metrics import timed_call
 from serve_app.weights import WeightsError, resolve_weights_path
@@ -37,11 +39,15 @@ class WeightControl:
     async def update_weights(self, req: UpdateWeightsRequest) -> UpdateWeightsResponse:
         """Publish `req.version` on every replica from its `source`: the file at `req.path`
         (inside weights_dir), a collective transfer, or the trainer's own transfer (external)."""
+        if not req.resume:
+            require(self._args, Capability.PAUSE, "resume: false")
         if req.collective is not None:
             return await self._by_collective(req.version, req.collective, req.resume)
         if req.source == "external":
+            require(self._args, Capability.ADOPT_EXTERNAL, "source external")
             return await self._adopt(req.version, req.resume)
         assert req.path is not None  # the request's own validation: source path needs it
+        require(self._args, Capability.LOAD_PATH, "source path")
         async with self._fleet.lock, timed_call("update_weights"):
             try:
                 path = str(resolve_weights_path(req.path, self._weights_dir))
@@ -56,6 +62,9 @@ class WeightControl:
     ) -> UpdateWeightsResponse:
         """Load the state dict behind `refs[0]` (put in the object store by a trainer in the same
         Ray cluster) as `req.version` on every replica, on every node, without a shared disk."""
+        if not req.resume:
+            require(self._args, Capability.PAUSE, "resume: false")
+        require(self._args, Capability.LOAD_PATH, "weights through the object store")
         async with self._fleet.lock, timed_call("update_weights"):
             desired = await self._check_version(req.version, None)
             if len(refs) != 1 or not isinstance(refs[0], ray.ObjectRef):
@@ -89,15 +98,20 @@ class WeightControl:
             timeout_s = self._args.control_timeout_s
             try:
                 await asyncio.wait_for(asyncio.to_thread(_announce, transfer, world_size, timeout_s), timeout_s)
+            except PermissionError as e:  # the store is there, the group sealed with another secret
+                raise Refused(f"collective: {e}") from None
             except Exception as e:  # noqa: BLE001 - the caller's address: a 422 naming it
                 raise Refused(
                     f"collective: cannot reach the trainer's store at {transfer.address}:{transfer.port} "
                     f"({type(e).__name__}); give an address every replica's node can reach"
                 ) from None
-            # Each group operation fails after control_timeout_s: the join, then one per bucket.
-            bound_s = timeout_s * (2 + len(plan_buckets(transfer)))
             reports = await self._fleet.broadcast(
-                "receive_weights", version, transfer, first_ranks, world_size, timeout_s=bound_s
+                "receive_weights",
+                version,
+                transfer,
+                first_ranks,
+                world_size,
+                timeout_s=receive_bound_s(transfer, timeout_s),
             )
             answered = {r.replica_id for r in reports}
             failed = [r for r in reports if not r.ok] + [
@@ -146,6 +160,7 @@ class WeightControl:
         self, method: str, args: list[Any], kwargs: dict[str, Any], timeout_s: float | None
     ) -> list[EngineRpcReport]:
         """`method(*args, **kwargs)` of every replica's engine; one report per replica."""
+        require(self._args, Capability.ENGINE_RPC)
         reports = await self._fleet.broadcast("engine_rpc", method, args, kwargs, timeout_s=timeout_s)
         if not any(r.ok for r in reports):
             detail = "; ".join(f"{r.replica_id}: {r.error}" for r in reports)
@@ -180,12 +195,14 @@ class WeightControl:
             detail = next((r.error for r in reports if r.error), "no replica loaded the weights")
             raise Refused(f"weights not loaded, version {desired.weight_version} keeps serving: {detail}", reports)
         if refs is not None:  # before the state that points at them: joiners read both
-            await self._fleet.set_weights_refs(refs)
+            self._fleet.weights_refs = refs
+        loaded_new = version != desired.weight_version
         desired.weight_version, desired.weights_path = version, path
         desired.weights_in_object_store = refs is not None
         desired.weights_from_peer = from_peer
         desired.paused = not resume
-        await self._fleet.publish(desired)
+        # A hold kept across a load counts from the load's end (the replicas renew theirs then too).
+        await self._fleet.publish(desired, renew_hold=loaded_new)
         transfer_s = [r.transfer_s for r in ok if r.transfer_s is not None]
         return UpdateWeightsResponse(
             version=version,
@@ -196,6 +213,7 @@ class WeightControl:
 
 
 def _announce(transfer: CollectiveTransfer, world_size: int, timeout_s: float) -> None:
-    """Tell the publisher the group's world size, in its own store."""
+    """Tell the publisher the group's world size, in its own store, sealed with the sync's secret
+    (PermissionError: the publisher sealed the group with another one)."""
     store = weight_wire.connect_store(transfer.address, transfer.port, timeout_s)
-    store.set(f"{transfer.group}/{weight_wire.WORLD_SIZE_KEY}", str(world_size))
+    weight_wire.announce(store, transfer, world_size, timeout_s)

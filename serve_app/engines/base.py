@@ -6,13 +6,14 @@ The public methods own the state and its guards (docs/design.md#exact-attributio
   `stop(pause)`, `update_weights` and `start` are serialised by one lock, so an update never
   overlaps the finalize of the stop before it, and a start never overlaps either;
 * the admission hold: a stop with `pause`, or an update with `resume: false`, admits no new
-  engine step until the next start or resuming update, or until `hold_timeout_s` passes;
+  engine step until the next start or resuming update, or until `hold_timeout_s` passes; the
+  deadline does not run while weights are read, received or loaded, and restarts when that ends;
 * a stop is acknowledged as soon as no further engine step can enter the window, then the
   profiler finalizes on the control thread and the export runs in the background;
 * a weight update reads its file before taking the lock (overlapping a finalize), then loads
   it between engine steps, and serves the old version if the load fails.
 
-Engines (`transformers_engine.py`, `vllm_engine.py`, `sglang_engine.py`) supply only the hooks:
+Engines (`transformers/`, `vllm/`, `sglang/`: one package each) supply only the hooks:
 `_open`, `_stream`, `_profiler`, `_pause`, `_resume`, `_read_weights`, `_load_weights`,
 `_healthy`, `_close`, and optionally `_opened`, `_pass_counts`, where forward passes run in
 this process `_engine_step`, and for the other weight sources (docs/design.md#weight-transfer)
@@ -31,7 +32,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from pathlib import Path
-from typing import ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 from pydantic import BaseModel
 
@@ -42,7 +43,8 @@ from serve_app.api import CollectiveTransfer
 from serve_app.config import AppArgs
 from serve_app.engines.control_thread import ControlThread
 from serve_app.engines.generation import GenerateDelta, GenerateRequest
-from serve_app.engines.options import ENGINE_OPTIONS
+from serve_app.engines.options import Capability
+from serve_app.engines.registry import ENGINE_OPTIONS
 from serve_app.engines.request_stats import RequestAccounting
 from serve_app.engines.tokenizer import HfTokenizerMixin
 from serve_app.weights import StateDict, check_checkpoint
@@ -115,6 +117,36 @@ def room_left(context_length: int | None, prompt_tokens: int) -> int:
     return context_length - prompt_tokens
 
 
+CAPABILITY_HOOKS: dict[Capability, tuple[str, ...]] = {
+    Capability.GENERATE: ("_open", "_stream", "_healthy", "_close"),
+    Capability.PROFILE: ("_profiler",),
+    Capability.PAUSE: ("_pause", "_resume"),
+    Capability.LOAD_PATH: ("_read_weights", "_load_weights"),
+    Capability.RECEIVE_COLLECTIVE: ("_receive_weights", "_staged_weights", "_load_weights", "_weights_snapshot"),
+    # Optional, with a do-nothing default: _drop_staged, _adopted, _opened, _pass_counts, _engine_step.
+    Capability.ADOPT_EXTERNAL: ("_reported_version",),
+    Capability.ENGINE_RPC: ("_engine_rpc",),
+}
+"""The hooks each capability needs an engine to fill (docs/engines.md#one-engine-contract)."""
+
+
+def capability_gaps(engine: type[RolloutEngine[Any]], declared: frozenset[Capability]) -> list[str]:
+    """Where `engine`'s hooks and its `declared` capabilities disagree: a declared capability
+    with a hook left to the base, or a hook filled for a capability not declared (it would
+    never be called). Empty: they agree."""
+    own = {
+        hook
+        for hook in set().union(*CAPABILITY_HOOKS.values())
+        if getattr(engine, hook) is not getattr(RolloutEngine, hook)
+    }
+    needed = set().union(*(CAPABILITY_HOOKS[c] for c in declared))
+    gaps = [
+        f"declares {c.value!r} but does not fill {h}" for c in declared for h in CAPABILITY_HOOKS[c] if h not in own
+    ]
+    gaps += [f"fills {h} but declares no capability that uses it" for h in sorted(own - needed)]
+    return gaps
+
+
 class RolloutEngine(HfTokenizerMixin, ABC, Generic[W]):
     """One engine inside one replica. `W` is what `_read_weights` hands to `_load_weights`."""
 
@@ -133,6 +165,8 @@ class RolloutEngine(HfTokenizerMixin, ABC, Generic[W]):
         """Longest prompt + completion the engine takes, in tokens (None: unknown); `_open` may
         narrow it (vLLM's max_model_len)."""
         self._options = ENGINE_OPTIONS[args.engine]
+        if gaps := capability_gaps(type(self), self._options.capabilities):
+            raise TypeError(f"engine {args.engine} ({type(self).__name__}): {'; '.join(gaps)}")
         self._engine_name = args.engine
         self._built_profiler = args.profiler
         self._hold_timeout_s = args.hold_timeout_s
@@ -146,6 +180,11 @@ class RolloutEngine(HfTokenizerMixin, ABC, Generic[W]):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._held = False
         self._hold_timer: asyncio.TimerHandle | None = None
+        self._hold_armed = 0
+        """Counts hold deadlines armed: an expiry that waited for the control lock while a load
+        renewed the deadline is stale."""
+        self._loading = 0
+        """Weight loads (reads, receives) under way: the hold's deadline waits for them."""
         # (step, monotonic time) of a hold begun by the stop of `step`: its length goes to the entry.
         self._sync_hold: tuple[int, float] | None = None
         self._engine_paused = False
@@ -166,27 +205,31 @@ class RolloutEngine(HfTokenizerMixin, ABC, Generic[W]):
         (the caller went away) aborts the sequence and frees its slot. ValueError: the request
         itself is unusable (a 422 for the caller)."""
 
-    @abstractmethod
     def _profiler(self, spec: SessionSpec) -> ProfilerBackend:
         """The profiler that records this engine for `spec` (started and stopped by the session
-        on the control thread; the loop of `_loop` is the replica's event loop)."""
+        on the control thread; the loop of `_loop` is the replica's event loop).
+        `Capability.PROFILE`."""
+        raise self._options.missing(Capability.PROFILE)
 
-    @abstractmethod
     async def _pause(self) -> None:
-        """Admit no new engine step; requests in flight wait (they are not aborted)."""
+        """Admit no new engine step; requests in flight wait (they are not aborted).
+        `Capability.PAUSE`."""
+        raise self._options.missing(Capability.PAUSE)
 
-    @abstractmethod
     async def _resume(self) -> None:
-        """Admit engine steps again."""
+        """Admit engine steps again. `Capability.PAUSE`."""
+        raise self._options.missing(Capability.PAUSE)
 
-    @abstractmethod
     async def _read_weights(self, path: Path) -> W:
         """Prepare `path` (a safetensors file or directory) for loading; runs before the control
-        lock is taken, so it may overlap the finalize of the stop before it."""
+        lock is taken, so it may overlap the finalize of the stop before it. `Capability.LOAD_PATH`."""
+        raise self._options.missing(Capability.LOAD_PATH)
 
-    @abstractmethod
     async def _load_weights(self, weights: W, version: int) -> None:
-        """Load `weights` as `version` while no engine step runs; reset prefix caches."""
+        """Load `weights` as `version` while no engine step runs (an engine without
+        `Capability.PAUSE` is not paused first: its load must fall between its own steps); reset
+        prefix caches. `Capability.LOAD_PATH` or `Capability.RECEIVE_COLLECTIVE`."""
+        raise self._options.missing(Capability.LOAD_PATH)
 
     @abstractmethod
     def _healthy(self) -> bool: ...
@@ -217,11 +260,11 @@ class RolloutEngine(HfTokenizerMixin, ABC, Generic[W]):
         """Join the sync's group (serve_app/weight_wire.py) as ranks `first_rank` ..
         `first_rank + transfer_ranks - 1` of `world_size` and stage every tensor it delivers,
         without touching the served weights (each group operation fails after `timeout_s`)."""
-        raise NotImplementedError(f"engine {self._engine_name} cannot receive weights by collective")
+        raise self._options.missing(Capability.RECEIVE_COLLECTIVE)
 
     async def _staged_weights(self) -> W:
         """The weights `_receive_weights` staged, as `_load_weights` takes them."""
-        raise NotImplementedError(f"engine {self._engine_name} cannot receive weights by collective")
+        raise self._options.missing(Capability.RECEIVE_COLLECTIVE)
 
     async def _drop_staged(self) -> None:
         """Forget staged weights (a transfer that failed somewhere, or after they loaded)."""
@@ -229,7 +272,7 @@ class RolloutEngine(HfTokenizerMixin, ABC, Generic[W]):
     async def _weights_snapshot(self) -> StateDict:
         """The served weights as a CPU state dict: what a replica that starts after a collective
         transfer loads from a peer (no file holds them)."""
-        raise NotImplementedError(f"engine {self._engine_name} cannot hand its weights to a joining replica")
+        raise self._options.missing(Capability.RECEIVE_COLLECTIVE)
 
     async def _reported_version(self) -> int | None:
         """The weight version the engine itself reports (vLLM: its weight version), for a transfer
@@ -243,7 +286,7 @@ class RolloutEngine(HfTokenizerMixin, ABC, Generic[W]):
     async def _engine_rpc(self, method: str, *args: object, **kwargs: object) -> object:
         """Call the engine's own API (vLLM: a method of its AsyncLLM, such as collective_rpc), for a
         trainer that moves weights itself through the app's handle."""
-        raise NotImplementedError(f"engine {self._engine_name} has no engine RPC")
+        raise self._options.missing(Capability.ENGINE_RPC)
 
     async def _opened(self) -> None:
         """Finish opening on the replica's event loop (after `_open`, before any request)."""
@@ -339,12 +382,14 @@ class RolloutEngine(HfTokenizerMixin, ABC, Generic[W]):
         """Load `path` as `version` between engine steps; returns seconds spent. Afterwards
         admission is open if `resume`, else held until the next start (or the hold timeout)."""
         t0 = time.perf_counter()
-        weights = None
-        if path is not None and version != self.weight_version:
+        if path is None or version == self.weight_version:
+            await self._switch(version, None, resume)
+            return time.perf_counter() - t0
+        async with self._covering_load():
             # Names, dtypes and shapes from the headers, before any tensor is read or the engine paused.
             await asyncio.to_thread(check_checkpoint, Path(path), self.model_dir)
             weights = await self._read_weights(Path(path))
-        await self._switch(version, weights, resume)
+            await self._switch(version, weights, resume)
         return time.perf_counter() - t0
 
     async def receive_weights(
@@ -355,7 +400,8 @@ class RolloutEngine(HfTokenizerMixin, ABC, Generic[W]):
         path, so generation goes on meanwhile. A failure leaves nothing staged."""
         t0 = time.perf_counter()
         try:
-            await self._receive_weights(transfer, first_rank, world_size, timeout_s)
+            async with self._covering_load():
+                await self._receive_weights(transfer, first_rank, world_size, timeout_s)
         except BaseException:
             await self._drop_staged()
             raise
@@ -366,8 +412,9 @@ class RolloutEngine(HfTokenizerMixin, ABC, Generic[W]):
         same pause, hold and resume), then forget it; returns seconds spent."""
         t0 = time.perf_counter()
         try:
-            weights = await self._staged_weights() if version != self.weight_version else None
-            await self._switch(version, weights, resume)
+            async with self._covering_load():
+                weights = await self._staged_weights() if version != self.weight_version else None
+                await self._switch(version, weights, resume)
         finally:
             await self._drop_staged()
         return time.perf_counter() - t0
@@ -391,7 +438,8 @@ class RolloutEngine(HfTokenizerMixin, ABC, Generic[W]):
                 f"the engine reports weight version {reported}, not {version}: finish the transfer of version "
                 f"{version} into the engine (and set its weight version) before publishing it"
             )
-        await self._switch(version, _ADOPTED, resume)
+        async with self._covering_load():  # the trainer's own load just ended: a hold counts from here
+            await self._switch(version, _ADOPTED, resume)
 
     async def weights_snapshot(self) -> StateDict:
         """The served weights as CPU tensors (for a replica that joins after a collective transfer)."""
@@ -401,7 +449,7 @@ class RolloutEngine(HfTokenizerMixin, ABC, Generic[W]):
         """Call a method of the engine's own API (vLLM: its AsyncLLM's, e.g. collective_rpc)."""
         return await self._engine_rpc(method, *args, **kwargs)
 
-    async def _switch(self, version: int, weights: W | None | _Adopted, resume: bool) -> None:
+    async def _switch(self, version: int, weights: W | _Adopted | None, resume: bool) -> None:
         """Make `version` the served one between engine steps, then apply `resume`: the policy
         every weight source shares. `weights` None: nothing to load (the same version again);
         `_ADOPTED`: the engine holds `version` already, only the bookkeeping of a load is done."""
@@ -410,7 +458,9 @@ class RolloutEngine(HfTokenizerMixin, ABC, Generic[W]):
             if weights is not None and version != self.weight_version:
                 replaced = self.weight_version
                 self._session.note_weight_load()
-                if not self._held:  # no engine step between the old version's and the new one's
+                # No engine step between the old version's and the new one's (an engine that
+                # cannot pause loads between its own steps).
+                if not self._held and self._options.has(Capability.PAUSE):
                     await self._pause_engine()
                     paused_here = True
                 try:
@@ -422,7 +472,7 @@ class RolloutEngine(HfTokenizerMixin, ABC, Generic[W]):
                     if paused_here:  # keep serving the old weights; the load error is the answer
                         try:
                             await self._resume_engine()
-                        except Exception:  # noqa: BLE001 - logged, the load error is raised
+                        except Exception:
                             log.exception("resuming the engine after a failed weight load failed")
                     raise
                 self.weight_version = version
@@ -500,27 +550,59 @@ class RolloutEngine(HfTokenizerMixin, ABC, Generic[W]):
 
     async def _hold(self) -> None:
         """Admit no engine step until the next start or resuming update, or until hold_timeout_s
-        after the hold began: a stop or update while held keeps that deadline, so no caller can
-        stretch a hold by repeating them."""
+        after the hold began or after the weight load it covered ended: a stop or update while
+        held keeps that deadline, so no caller can stretch a hold by repeating them."""
         if self._held:
             return
+        self._options.require(Capability.PAUSE)
         if not self._engine_paused:
             await self._pause_engine()
         self._held = True
+        if not self._loading:
+            self._arm_hold_deadline()
+
+    def _arm_hold_deadline(self) -> None:
+        """The hold ends hold_timeout_s from now (unless a start or resuming update ends it first)."""
+        self._disarm_hold_deadline()
+        armed = self._hold_armed
         self._hold_timer = asyncio.get_running_loop().call_later(
-            self._hold_timeout_s, lambda: asyncio.ensure_future(self._hold_expired())
+            self._hold_timeout_s, lambda: asyncio.ensure_future(self._hold_expired(armed))
         )
 
-    async def _hold_expired(self) -> None:
-        async with self._control:
-            if self._held:
-                log.warning("admission hold expired without a weight update or start; resuming")
-                await self._release()
-
-    async def _release(self) -> None:
+    def _disarm_hold_deadline(self) -> None:
         if self._hold_timer is not None:
             self._hold_timer.cancel()
             self._hold_timer = None
+        self._hold_armed += 1  # an expiry already waiting for the control lock is stale now
+
+    @contextlib.asynccontextmanager
+    async def _covering_load(self) -> AsyncIterator[None]:
+        """While weights are read, received or loaded, a hold's deadline does not run: a load longer
+        than hold_timeout_s must not resume generation before the start that follows it (forward
+        passes on the new weights would run unprofiled). The deadline restarts when it ends."""
+        self._loading += 1
+        self._disarm_hold_deadline()
+        try:
+            yield
+        finally:
+            self._loading -= 1
+            if self._held and not self._loading:
+                self._arm_hold_deadline()
+
+    async def _hold_expired(self, armed: int) -> None:
+        async with self._control:
+            if self._held and armed == self._hold_armed:
+                log.warning("admission hold expired without a weight update or start; resuming")
+                try:
+                    await self._release()
+                except Exception:
+                    log.exception(
+                        "resuming after the admission hold expired failed; holding %ss more", self._hold_timeout_s
+                    )
+                    self._arm_hold_deadline()
+
+    async def _release(self) -> None:
+        self._disarm_hold_deadline()
         if self._held:
             await self._resume_engine()
             self._held = False

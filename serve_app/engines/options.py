@@ -1,39 +1,104 @@
-"""Each engine's own settings (`args.transformers`, `args.vllm`, `args.sglang`) and the profiler
-options it can record: one class per engine holds every rule about that engine's options. The
-rules run when the app config is read (so `serve run` refuses a bad config before any replica
-starts) and again on the options of each `/profile/start` (a 422 naming the option).
+"""The base of every engine's options class (`engines/<name>/options.py`): the rules about an
+engine's settings, the profiler tools it can record with, the request fields it cannot honour and
+the capabilities it has. The rules run when the app config is read (so `serve run` refuses a bad
+config before any replica starts) and again before each control call fans out (a 422 naming the
+engine and what it lacks).
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from enum import StrEnum
+from typing import Any, ClassVar
 
-from pydantic import Field
+from profiling.config import ProfileOptions, StrictModel, Tool
 
-from profiling.config import NpuOptions, ProfileOptions, StrictModel, Tool
 
-EngineName = Literal["transformers", "vllm", "sglang"]
+class Capability(StrEnum):
+    """What an engine can do beyond the control policy every engine shares; the hooks an engine
+    fills for each are `CAPABILITY_HOOKS` of `serve_app/engines/base.py`
+    (docs/engines.md#capabilities)."""
+
+    GENERATE = "generate"
+    """Serve completions: every engine has it."""
+    PROFILE = "profile"
+    """Record profiling windows: the profile routes."""
+    PAUSE = "pause"
+    """Hold admission of engine steps: `pause: true`, `resume: false`."""
+    LOAD_PATH = "load_path"
+    """Load weights from a checkpoint path: `source: path`."""
+    RECEIVE_COLLECTIVE = "receive_collective"
+    """Receive a collective broadcast and stage it: `weight_transfer: collective`."""
+    ADOPT_EXTERNAL = "adopt_external"
+    """Report the weight version the trainer moved in itself: `source: external`."""
+    ENGINE_RPC = "engine_rpc"
+    """Call the engine's own API: the app handle's `engine_rpc`."""
+
+
+CAPABILITY_USE: dict[Capability, str] = {
+    Capability.GENERATE: "serving completions",
+    Capability.PROFILE: "profiling (/profile/start, /profile/stop)",
+    Capability.PAUSE: "holding engine steps (pause: true, resume: false)",
+    Capability.LOAD_PATH: "loading weights from a path (source: path)",
+    Capability.RECEIVE_COLLECTIVE: "weight_transfer: collective",
+    Capability.ADOPT_EXTERNAL: "adopting weights the trainer moved itself (source: external)",
+    Capability.ENGINE_RPC: "engine RPC (the app handle's engine_rpc)",
+}
+"""What each capability lets a caller do, in the words of a refusal."""
+
+
+class CapabilityMissing(ValueError):
+    """A request needs a capability the app's engine does not declare (a 422 for the caller)."""
 
 
 class EngineOptions(StrictModel):
     """Base of the engine blocks. Field docstrings are the fields' documentation."""
 
-    engine: ClassVar[EngineName]
+    engine: ClassVar[str]
+    """The `engine:` value that selects this engine."""
     implementation: ClassVar[str]
     """`module:Class` of the engine, imported only when a replica builds it (an engine's module
     imports its engine's packages)."""
-    tools: ClassVar[tuple[Tool, ...]]
-    """The profiler tools this engine can record with."""
+    capabilities: ClassVar[frozenset[Capability]]
+    """What this engine can do; a request for anything else is refused before any replica is
+    asked (`require`)."""
+    lacks: ClassVar[dict[Capability, str]] = {}
+    """Why this engine lacks a capability, where the reason helps the caller choose another way."""
+    tools: ClassVar[tuple[Tool, ...]] = ()
+    """The profiler tools this engine can record with (with `Capability.PROFILE`)."""
     unsupported_sampling: ClassVar[dict[str, str]] = {}
     """Generation request fields this engine cannot honour, each with why: a request that sets
     one is refused (422 naming the field and the engine), never served with it dropped."""
+
+    @classmethod
+    def has(cls, capability: Capability) -> bool:
+        """Whether this engine declares `capability`."""
+        return capability in cls.capabilities
+
+    @classmethod
+    def missing(cls, capability: Capability, fix: str = "") -> CapabilityMissing:
+        """The refusal of a call that needs `capability`: it names the use, the engine, the
+        capability, why the engine lacks it (`lacks`) and `fix`."""
+        why = f": {note}" if (note := cls.lacks.get(capability)) else ""
+        return CapabilityMissing(
+            f"{CAPABILITY_USE[capability]} is not supported with engine {cls.engine} (it lacks the capability "
+            f"{capability.value!r}{why})" + (f": {fix}" if fix else "")
+        )
+
+    @classmethod
+    def require(cls, capability: Capability, fix: str = "") -> None:
+        """`missing(capability, fix)` raised, unless the engine declares `capability`."""
+        if capability not in cls.capabilities:
+            raise cls.missing(capability, fix)
 
     @classmethod
     def profiler_problems(cls, options: ProfileOptions, built: ProfileOptions) -> list[str]:
         """Why this engine cannot record with `options` (empty: it can). `built`: the app's
         `profiler` settings, which the engine was built with."""
         if options.tool not in cls.tools:
-            return [f"tool {options.tool!r} is not available with engine {cls.engine!r} (it records with {', '.join(cls.tools)})"]
+            return [
+                f"tool {options.tool!r} is not available with engine {cls.engine!r} "
+                f"(it records with {', '.join(cls.tools)})"
+            ]
         return []
 
     @classmethod
@@ -42,92 +107,8 @@ class EngineOptions(StrictModel):
         if problems := cls.profiler_problems(options, built):
             raise ValueError("; ".join(problems))
 
-
-class TransformersOptions(EngineOptions):
-    """`engine: transformers`, the embedded engine: HF transformers + torch in the replica's
-    process, batched generation on one model thread, profiled in process."""
-
-    engine = "transformers"
-    implementation = "serve_app.engines.transformers_engine:TransformersEngine"
-    tools = ("torch", "npu", "nsys")
-
-    max_batch_size: int = Field(16, ge=1)
-    """Sequences decoded together in one forward pass; more wait for the next batch."""
-
-
-class VllmOptions(EngineOptions):
-    """`engine: vllm`: how each replica builds its `AsyncLLM`. With `tool: torch` the replica
-    profiles inside vLLM's workers with this project's own torch backend (a worker extension),
-    so every start may set its own profiler options; `tool: nsys` uses vLLM's CUDA profiler,
-    which is chosen when the engine is built."""
-
-    engine = "vllm"
-    implementation = "serve_app.engines.vllm_engine:VllmEngine"
-    tools = ("torch", "nsys")
-
-    dtype: Literal["auto", "half", "float16", "bfloat16", "float", "float32"] = "auto"
-    """vLLM's `dtype` (auto, float32, bfloat16, float16)."""
-    max_model_len: int = Field(256, ge=16)
-    """Longest prompt + completion, in tokens."""
-    enforce_eager: bool = True
-    """No CUDA graphs: faster start, and every engine step shows in the trace."""
-    gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
-    """Share of the GPU's memory vLLM may take (weights + KV cache)."""
-    engine_args: dict[str, Any] = Field(default_factory=dict)
-    """More AsyncEngineArgs fields, e.g. tensor_parallel_size, as vLLM names them
-    (`worker_extension_cls` is the replica's own)."""
-
     @classmethod
-    def profiler_problems(cls, options: ProfileOptions, built: ProfileOptions) -> list[str]:
-        problems = super().profiler_problems(options, built)
-        if not problems and options.tool == "nsys" and built.tool != "nsys":
-            problems.append(
-                f"vLLM's CUDA profiler (tool 'nsys') is chosen when the engine is built, and this one "
-                f"was built for tool {built.tool!r}: set args.profiler.tool: nsys in the app config and redeploy"
-            )
-        return problems
-
-
-class SglangOptions(EngineOptions):
-    """`engine: sglang`: the SGLang server each replica drives over HTTP (its native API:
-    /generate, /start_profile, /stop_profile, /update_weights_from_disk, /pause_generation,
-    /continue_generation). SGLang writes the traces itself, into the replica's trace directory
-    under save_path, so the server must see the replica's filesystem."""
-
-    engine = "sglang"
-    implementation = "serve_app.engines.sglang_engine:SglangEngine"
-    tools = ("torch", "nsys", "npu")
-
-    url: str | None = None
-    """An SGLang server already running for this replica, on the same filesystem; null launches
-    one per replica. A server serves one replica: with a url, num_replicas must be 1."""
-    server_command: list[str] = Field(default_factory=lambda: ["python", "-m", "sglang.launch_server"], min_length=1)
-    """How a replica launches its server; it adds --model-path, --host 127.0.0.1, --port."""
-    server_args: list[str] = Field(default_factory=list)
-    """Extra server arguments, e.g. ['--tp-size', '2']."""
-    startup_timeout_s: float = Field(600.0, gt=0)
-    """Longest wait for GET /health to answer 200 after launch."""
-    request_timeout_s: float = Field(600.0, gt=0)
-    """Per HTTP call to the server (generation, profiler, weight load)."""
-
-    @classmethod
-    def profiler_problems(cls, options: ProfileOptions, built: ProfileOptions) -> list[str]:
-        problems = super().profiler_problems(options, built)
-        if options.with_memory:
-            problems.append(
-                "with_memory is not available with engine 'sglang': SGLang's MEM activity writes a CUDA "
-                "memory snapshot whose file name does not carry the profile prefix; set with_memory: false"
-            )
-        if options.tool == "npu" and options.npu != NpuOptions():
-            problems.append(
-                "with engine 'sglang', SGLang configures torch_npu's profiler itself (Level1, "
-                "PipeUtilization AI-core metrics, text export): profiler.npu settings cannot be "
-                "applied; remove them"
-            )
-        return problems
-
-
-ENGINE_OPTIONS: dict[str, type[EngineOptions]] = {
-    cls.engine: cls for cls in (TransformersOptions, VllmOptions, SglangOptions)
-}
-"""Each engine's options class, by the `engine:` value that selects it."""
+    def app_problems(cls, args: dict[str, Any]) -> dict[str, str]:
+        """Rules tying this engine to the app's other keys (`args`: the app's validated keys), as
+        {key: why}; empty when the engine has none or they hold."""
+        return {}

@@ -5,6 +5,7 @@ bounded body) and error handlers that keep every answer a clean status with a ca
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -36,6 +37,7 @@ def create_fastapi_app() -> FastAPI:
         dependencies=[Depends(require_loopback_host)],
     )
     app.add_middleware(BodySizeLimit)
+    app.add_middleware(RequestDeadline)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -61,7 +63,9 @@ def create_fastapi_app() -> FastAPI:
         log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
         cause = str(getattr(exc, "cause", None) or exc).strip().splitlines()
         detail = f"{type(exc).__name__}: {cause[0] if cause else ''}"
-        body = ErrorResponse(detail=f"the app failed this request ({current().redact(detail)}); the ingress log has the rest")
+        body = ErrorResponse(
+            detail=f"the app failed this request ({current().redact(detail)}); the ingress log has the rest"
+        )
         return JSONResponse(status_code=500, content=body.model_dump(mode="json"))
 
     return app
@@ -98,20 +102,67 @@ class BodySizeLimit:
         await self.app(scope, bounded, send)
 
 
+class RequestDeadline:
+    """Answers 408 to a request still running after the operator's request_timeout_s (Serve's
+    `http_options`), whatever `x-request-timeout-seconds` the client sent: the proxy lets that
+    header lift or switch off its own timeout. A control call cut off this way still runs to
+    its end (serve_app/control/shielded.py); its repeat gets its outcome."""
+
+    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]]):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        limit = current().request_timeout_s
+        if scope["type"] != "http" or limit is None:
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            async with asyncio.timeout(limit):
+                await self.app(scope, receive, tracked)
+        except TimeoutError:
+            if started:  # a stream already under way ends here
+                return
+            body = ErrorResponse(
+                detail=f"request over the app's request timeout of {limit:g}s (http_options.request_timeout_s); "
+                "a control call keeps running and its repeat answers with its outcome"
+            )
+            await _send_json(send, 408, body.model_dump_json().encode())
+
+
 def _too_large_detail(limit: int) -> str:
     return f"request body over {limit} bytes (request_limits.max_body_bytes)"
 
 
 async def _too_large(send: Send, limit: int) -> None:
-    body = json.dumps({"detail": _too_large_detail(limit), "replicas": []})
-    await send({"type": "http.response.start", "status": 413, "headers": [(b"content-type", b"application/json")]})
-    await send({"type": "http.response.body", "body": body.encode()})
+    await _send_json(send, 413, json.dumps({"detail": _too_large_detail(limit), "replicas": []}).encode())
+
+
+async def _send_json(send: Send, status: int, body: bytes) -> None:
+    await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": body})
+
+
+HIDDEN = "<hidden>"
+"""What a 422 answer echoes in place of a secret."""
 
 
 def _plain(errors: object) -> object:
-    """Validation errors as JSON-safe data (their `ctx` may hold exception objects)."""
+    """Validation errors as JSON-safe data (their `ctx` may hold exception objects), with no
+    collective transfer's `secret` echoed: neither inside an input nor as an error's input."""
     if isinstance(errors, dict):
-        return {k: _plain(v) for k, v in errors.items() if k != "url"}
+        secret_input = tuple(errors.get("loc") or ())[-1:] == ("secret",)
+        return {
+            k: HIDDEN if k == "secret" or (secret_input and k == "input") else _plain(v)
+            for k, v in errors.items()
+            if k != "url"
+        }
     if isinstance(errors, (list, tuple)):
         return [_plain(v) for v in errors]
     if isinstance(errors, float) and not math.isfinite(errors):

@@ -11,14 +11,15 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
-from typing import Any, cast
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any, ClassVar, cast
 
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
-from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+from ray.serve.exceptions import DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
+from serve_app.admission import BUSY_RETRY_AFTER_S
 from serve_app.api import ErrorResponse
 from serve_app.async_streams import merged
 from serve_app.choices import JobAccepted, JobDone, JobResult, OpenAIRequest, PromptJob
@@ -39,9 +40,6 @@ from serve_app.openai_api import (
 )
 
 log = logging.getLogger(__name__)
-
-BUSY_RETRY_AFTER_S = 1
-"""Seconds a caller turned away by a full queue waits before it retries."""
 
 _GENERATION_ERRORS: dict[int | str, dict[str, Any]] = {
     404: {"model": ErrorResponse, "description": "The request names a model this app does not serve."},
@@ -72,7 +70,7 @@ class OpenAIRoutesMixin:
     engine_options: EngineOptions
     num_replicas: int
 
-    ENDPOINTS = {
+    ENDPOINTS: ClassVar[dict[str, Callable[[Any], Any]]] = {
         "list_models": lambda app: app.get("/v1/models", tags=["openai"]),
         "completions": lambda app: app.post(
             "/v1/completions", response_model=None, responses=_streamed(CompletionResponse), tags=["openai"]
@@ -144,7 +142,9 @@ class OpenAIRoutesMixin:
             )
         for name, count in chars.items():
             if count > limits.max_prompt_chars:
-                raise Refused(f"{name}: {count} characters, over request_limits.max_prompt_chars {limits.max_prompt_chars}")
+                raise Refused(
+                    f"{name}: {count} characters, over request_limits.max_prompt_chars {limits.max_prompt_chars}"
+                )
 
     def _calls(self, jobs: list[PromptJob]) -> list[list[PromptJob]]:
         """The prompts of a request in as few handle calls as still spread it over the replicas
@@ -177,7 +177,7 @@ class OpenAIRoutesMixin:
                 s.cancel()
             raise
         prompt_tokens = sum(a.prompt_tokens for a in accepted if isinstance(a, JobAccepted))
-        head = dict(id=f"{prefix}-{uuid.uuid4().hex}", created=int(time.time()), model=self.model_name)
+        head = {"id": f"{prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.model_name}
         include_usage = body.stream_options is not None and body.stream_options.include_usage
 
         async def events() -> AsyncIterator[bytes]:
@@ -230,7 +230,7 @@ def _stream_error(e: Exception) -> dict[str, Any]:
             raise e
     except ControlError as known:
         status, message = known.status, known.detail
-    except Exception as other:  # noqa: BLE001 - logged; the caller gets its first line
+    except Exception as other:
         log.error("a streamed generation failed", exc_info=other)
         cause = str(getattr(other, "cause", None) or other).strip().splitlines()
         status, message = 500, f"{type(other).__name__}: {cause[0] if cause else ''}"
@@ -240,17 +240,12 @@ def _stream_error(e: Exception) -> dict[str, Any]:
 @contextlib.contextmanager
 def _dispatch_errors() -> Iterator[None]:
     """A replica's refusal as a 422 with its own message (not Ray's wrapper around it, a remote
-    traceback), a full queue or no replica as a 503 with Retry-After."""
+    traceback), no replica as a 503 with Retry-After (a replica's full queue is its own 503:
+    serve_app/admission.py)."""
     try:
         yield
     except ValueError as e:
         raise Refused(f"prompt: {getattr(e, 'cause', e)}") from e
-    except BackPressureError as e:  # Serve's own answer to it is a bare text without Retry-After
-        raise Unavailable(
-            "every replica's queue is full (request_limits.max_queued_requests): retry after Retry-After "
-            "seconds, or add replicas",
-            retry_after_s=BUSY_RETRY_AFTER_S,
-        ) from e
     except DeploymentUnavailableError as e:
         raise Unavailable(
             "no rollout replica is running (still starting, or failing to start: see `serve status`)",

@@ -1,10 +1,12 @@
-"""/profile/*: start, stop, status, recorded steps."""
+"""/profile/*: start, stop, status, recorded steps; each carried out by the controller."""
 
 from __future__ import annotations
 
-import time
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 from fastapi import Depends
+from ray.serve.handle import DeploymentHandle
 
 from profiling.manifest import StepManifest
 from serve_app.api import (
@@ -17,8 +19,6 @@ from serve_app.api import (
     StopProfileRequest,
     StopProfileResponse,
 )
-from serve_app.control.profile_control import ProfileControl
-from serve_app.control.step_records import StepRecords
 from serve_app.ingress.auth import require_control_token
 
 _guard = {"dependencies": [Depends(require_control_token)], "tags": ["profile"]}
@@ -30,14 +30,16 @@ _errors = {
     507: {"model": ErrorResponse},
 }
 _stop_errors = {409: {"model": ErrorResponse}, 422: {"model": ErrorResponse}}
-_unreadable = {"model": ErrorResponse, "description": "save_path cannot be read, or the step's records could not be written there (names what was lost)."}
+_unreadable = {
+    "model": ErrorResponse,
+    "description": "save_path cannot be read, or the step's records could not be written there (names what was lost).",
+}
 
 
 class ProfileRoutesMixin:
-    profile_control: ProfileControl
-    records: StepRecords
+    controller: DeploymentHandle
 
-    ENDPOINTS = {
+    ENDPOINTS: ClassVar[dict[str, Callable[[Any], Any]]] = {
         "start_profile": lambda app: app.post("/profile/start", responses=_errors, **_guard),
         "stop_profile": lambda app: app.post("/profile/stop", responses=_stop_errors, **_guard),
         "profile_status": lambda app: app.get("/profile/status", **_guard),
@@ -50,24 +52,24 @@ class ProfileRoutesMixin:
 
     async def start_profile(self, body: StartProfileRequest) -> StartProfileResponse:
         """Start profiling step k on every replica (idempotent for the active step)."""
-        return await self.profile_control.start(body)
+        return await self.controller.start_profile.remote(body)
 
     async def stop_profile(self, body: StopProfileRequest) -> StopProfileResponse:
         """Stop profiling step k; answers once recording is closed, traces export after."""
-        return await self.profile_control.stop(body)
+        return await self.controller.stop_profile.remote(body)
 
     async def profile_status(self) -> StatusResponse:
         """Active step, weight version, and each replica's state."""
-        return await self.profile_control.status()
+        return await self.controller.status.remote()
 
     async def profile_clock(self) -> ClockResponse:
         """The app's reference clock, for a trainer's clock exchange (docs/analysis.md)."""
-        return ClockResponse(time_ns=time.time_ns())
+        return await self.controller.clock.remote()
 
     async def profile_steps(self) -> StepsResponse:
         """Every recorded step under save_path with its manifest status."""
-        return await self.records.steps()
+        return await self.controller.steps.remote()
 
     async def profile_step(self, k: int) -> StepManifest:
         """One step's manifest."""
-        return await self.records.step(k)
+        return await self.controller.step.remote(k)

@@ -24,6 +24,9 @@ class IngressSettings:
     access: Access = field(default_factory=Access)
     max_body_bytes: int | None = None
     """Largest request body (None: no bound, before the ingress has started)."""
+    request_timeout_s: float | None = None
+    """The operator's bound on any request (Serve's `http_options.request_timeout_s`), held here
+    too: a client's `x-request-timeout-seconds` header can shorten it at the proxy, not lift it."""
     redact: Redactor = field(default_factory=lambda: Redactor({}))
     """Takes absolute server paths out of error texts."""
 

@@ -4,12 +4,13 @@ the engines' own RPC)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ClassVar
 
 import ray
 from fastapi import Depends
 from pydantic import ValidationError
+from ray.serve.handle import DeploymentHandle
 
 from profiling.config import describe_validation_error
 from serve_app.api import (
@@ -19,15 +20,14 @@ from serve_app.api import (
     UpdateWeightsRequest,
     UpdateWeightsResponse,
 )
-from serve_app.control.weight_control import WeightControl
 from serve_app.errors import Refused
 from serve_app.ingress.auth import require_control_token
 
 
 class WeightRoutesMixin:
-    weight_control: WeightControl
+    controller: DeploymentHandle
 
-    ENDPOINTS = {
+    ENDPOINTS: ClassVar[dict[str, Callable[[Any], Any]]] = {
         "update_weights": lambda app: app.post(
             "/weights/update",
             dependencies=[Depends(require_control_token)],
@@ -40,7 +40,7 @@ class WeightRoutesMixin:
         """Publish `version` on every replica between engine steps, from its `source`: the file at
         `path`, a collective broadcast from the trainer's publishing rank, or the trainer's own
         transfer (external: every replica's engine must report `version`)."""
-        return await self.weight_control.update_weights(body)
+        return await self.controller.update_weights.remote(body)
 
     async def update_weights_in_cluster(
         self, version: int, refs: list[ray.ObjectRef], resume: bool = True
@@ -52,7 +52,7 @@ class WeightRoutesMixin:
             req = InClusterWeightsRequest(version=version, resume=resume)
         except ValidationError as e:
             raise Refused(describe_validation_error(e)) from None
-        return await self.weight_control.update_weights_in_cluster(req, refs)
+        return await self.controller.update_weights_in_cluster.remote(req, refs)
 
     async def engine_rpc(
         self,
@@ -69,4 +69,4 @@ class WeightRoutesMixin:
         (what the method returned); 503 when no replica ran it. An argument that differs per
         replica (a rank offset) comes as `PerReplica(values={replica_id: value})`. Then
         `/weights/update` with source external publishes the version (docs/design.md#weight-transfer)."""
-        return await self.weight_control.engine_rpc(method, list(args), dict(kwargs or {}), timeout_s)
+        return await self.controller.engine_rpc.remote(method, list(args), dict(kwargs or {}), timeout_s)

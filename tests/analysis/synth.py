@@ -11,7 +11,6 @@ from __future__ import annotations
 import gzip
 import json
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from profiling.config import ProfileOptions
 from profiling.manifest import (
@@ -264,8 +263,3 @@ def forward(
         evs.append(Ev(name, t, d))
         t += int(d * 1000) + 1_000
     return evs
-
-
-def read_merged(path: Path) -> dict:
-    with gzip.open(path, "rt") as f:
-        return json.load(f)

@@ -191,6 +191,7 @@ class FakeApp(BaseHTTPRequestHandler):
                     "weight_version": 3,
                     "paused": False,
                     "replicas": [{"replica_id": "r0", "ok": True, "state": "idle", "weight_version": 3}],
+                    "control_timeout_s": 30.0,
                 },
             )
 

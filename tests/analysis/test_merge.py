@@ -7,15 +7,15 @@ import gzip
 import json
 import multiprocessing
 import time
-from pathlib import Path
 
 import pytest
+from support.traces import read_trace, trace_events
 
 from profiling.analysis.merge import CONTROL_PID, MergeError, merge_step
 from profiling.analysis.sources import StepNotFound
 from profiling.store import MERGED_TRACE, TraceStore
 
-from .synth import BASE_NS, T0_NS, Proc, forward, read_merged, write_step
+from .synth import BASE_NS, T0_NS, Proc, forward, write_step
 
 MS = 1_000_000
 
@@ -62,7 +62,7 @@ def test_known_clock_offsets_are_undone_and_events_come_back_in_order(store):
     assert offsets["trainer/rank_0"].offset_ns == -50 * MS
     assert all(a.source == "clock_sync" and a.drift_ns == 0 for a in offsets.values())
 
-    trace = read_merged(store.step_dir(1) / MERGED_TRACE)
+    trace = read_trace(store.step_dir(1) / MERGED_TRACE)
     names = process_names(trace)
     order = [names[e["pid"]].split(" (")[0] for e in forward_events(trace)]
     assert order == ["rollout r0", "rollout r1", "trainer rank 0"] * 4
@@ -78,7 +78,7 @@ def test_each_process_is_its_own_named_group_and_pids_never_collide(store):
     # All three inputs use the same OS pid (4242): the merge must keep them apart.
     write_step(store, 1, interleaved({"r0": 0, "r1": 0, "trainer": 0}))
     merge_step(store, 1)
-    trace = read_merged(store.step_dir(1) / MERGED_TRACE)
+    trace = read_trace(store.step_dir(1) / MERGED_TRACE)
     names = process_names(trace)
     assert names[CONTROL_PID].startswith("control calls")
     assert set(names.values()) - {names[CONTROL_PID]} == {
@@ -117,7 +117,7 @@ def test_control_calls_and_windows_are_on_the_timeline(store):
     procs = interleaved({"r0": 0, "r1": 0, "trainer": 0})
     write_step(store, 3, procs, sync_at_ns=15 * MS, sync=(0.010, 0.020, 0.005))
     merge_step(store, 3)
-    trace = read_merged(store.step_dir(3) / MERGED_TRACE)
+    trace = read_trace(store.step_dir(3) / MERGED_TRACE)
     base = trace["baseTimeNanoseconds"]
     control = {
         e["name"]: e for e in trace["traceEvents"] if e.get("pid") == CONTROL_PID and e.get("ph") == "X"
@@ -146,7 +146,7 @@ def test_trace_without_clock_sample_falls_back_to_base_time_and_says_so(store):
         "rollout/r1": "baseTimeNanoseconds",
         "trainer/rank_0": "clock_sync",
     }
-    meta = read_merged(store.step_dir(1) / MERGED_TRACE)["rolloutProfiler"]
+    meta = read_trace(store.step_dir(1) / MERGED_TRACE)["rolloutProfiler"]
     [note] = meta["clock_notes"]
     assert "rollout/r1" in note and "baseTimeNanoseconds" in note and "not measured" in note
 
@@ -181,7 +181,7 @@ def test_non_trace_files_and_broken_traces_are_skipped_and_reported(store):
     assert "not a Chrome trace" in why["rollout/r0/profiler_info.json"]
     assert "unreadable trace (IncompleteJSONError" in why["rollout/r0/cut.pt.trace.json.gz"]
     assert "unreadable trace (EOFError" in why["rollout/r0/broken.pt.trace.json.gz"]
-    assert read_merged(store.step_dir(1) / MERGED_TRACE)["rolloutProfiler"]["skipped"] == record.skipped
+    assert read_trace(store.step_dir(1) / MERGED_TRACE)["rolloutProfiler"]["skipped"] == record.skipped
 
 
 def test_array_form_and_uncompressed_traces_merge(store):
@@ -190,7 +190,7 @@ def test_array_form_and_uncompressed_traces_merge(store):
     write_step(store, 1, procs)
     # r1 as a bare JSON array of events (no header), e.g. torch_npu's trace_view.json
     r1 = store.rollout_dir(1, "r1")
-    events = read_merged_input(r1 / "trace.pt.trace.json.gz")["traceEvents"]
+    events = trace_events(r1 / "trace.pt.trace.json.gz")
     for e in events:
         if isinstance(e.get("ts"), float):
             e["ts"] += BASE_NS / 1000  # absolute microseconds, as an array trace has no base
@@ -203,7 +203,7 @@ def test_array_form_and_uncompressed_traces_merge(store):
         "rollout/r1/trace_view.json",
         "trainer/rank_0/trace.pt.trace.json.gz",
     }
-    trace = read_merged(store.step_dir(1) / MERGED_TRACE)
+    trace = read_trace(store.step_dir(1) / MERGED_TRACE)
     names = process_names(trace)
     assert [names[e["pid"]].split(" (")[0] for e in forward_events(trace)] == [
         "rollout r0",
@@ -212,17 +212,13 @@ def test_array_form_and_uncompressed_traces_merge(store):
     ] * 4
 
 
-def read_merged_input(path: Path) -> dict:
-    return json.loads(gzip.decompress(path.read_bytes()))
-
-
 def test_entry_without_any_trace_still_gets_a_named_row(store):
     procs = interleaved({"r0": 0, "r1": 0, "trainer": 0})
     write_step(store, 1, procs)
     entry = next(e for e in store.read_entries(1) if e.replica_id == "r1")
     store.write_entry(1, entry.model_copy(update={"status": "error", "files": [], "error": "replica died"}))
     merge_step(store, 1)
-    names = process_names(read_merged(store.step_dir(1) / MERGED_TRACE))
+    names = process_names(read_trace(store.step_dir(1) / MERGED_TRACE))
     assert any(n.startswith("rollout r1") and "no trace: replica died" in n for n in names.values())
 
 
@@ -289,7 +285,7 @@ def test_racing_merges_leave_one_whole_trace(store):
     for p in procs:
         p.join(60)
         assert p.exitcode == 0
-    trace = read_merged(store.step_dir(1) / MERGED_TRACE)
+    trace = read_trace(store.step_dir(1) / MERGED_TRACE)
     assert len(forward_events(trace)) == 12
     assert [p.name for p in store.step_dir(1).iterdir() if "tmp" in p.name] == []
 

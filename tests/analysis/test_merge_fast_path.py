@@ -10,6 +10,7 @@ import subprocess
 
 import msgspec
 import pytest
+from support.traces import read_trace
 
 from profiling.analysis import chunks
 from profiling.analysis.chunks import TraceEvent, find_markers, iter_chunks
@@ -18,7 +19,7 @@ from profiling.analysis.gzip_parts import GzipParts
 from profiling.analysis.merge import merge_step
 from profiling.store import MERGED_TRACE
 
-from .synth import Proc, forward, read_merged, write_step
+from .synth import Proc, forward, write_step
 
 MS = 1_000_000
 
@@ -69,7 +70,7 @@ def test_a_field_no_struct_declares_is_kept_in_the_merged_timeline(store, small_
     assert text.count('"name": "aten::add",') == 100
     path.write_text(text.replace('"name": "aten::add",', odd, 1))
     merge_step(store, 1)
-    events = read_merged(store.step_dir(1) / MERGED_TRACE)["traceEvents"]
+    events = read_trace(store.step_dir(1) / MERGED_TRACE)["traceEvents"]
     assert [e["x_custom"] for e in events if "x_custom" in e] == [{"kept": [1, 2]}]
     assert sum(str(e.get("name")).startswith("forward_step#") for e in events) == 100
 
@@ -85,7 +86,7 @@ def test_an_input_cut_off_part_way_is_taken_back_whole(store, small_blocks):
     assert [a.key for a in record.processes] == ["rollout/r0"]
     out = store.step_dir(1) / MERGED_TRACE
     subprocess.run(["gzip", "-t", str(out)], check=True)  # one whole, valid gzip member
-    trace = read_merged(out)
+    trace = read_trace(out)
     names = {e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "process_name"}
     assert any(n.startswith("rollout r1") and "no trace" in n for n in names)
     forward_pids = {e["pid"] for e in trace["traceEvents"] if str(e.get("name")).startswith("forward_step#")}
@@ -133,8 +134,8 @@ def test_a_part_taken_back_leaves_only_the_parts_kept(tmp_path):
 def test_the_merged_timeline_is_the_same_whatever_the_block_size(store, monkeypatch):
     write_step(store, 1, [busy("r0", error_ns=2 * MS), busy("r1", file="trace.pt.trace.json.gz")])
     merge_step(store, 1)
-    whole = read_merged(store.step_dir(1) / MERGED_TRACE)
+    whole = read_trace(store.step_dir(1) / MERGED_TRACE)
     monkeypatch.setattr(chunks, "BLOCK_BYTES", 1500)
     store.write_entry(1, store.read_entries(1)[0])  # a record rewritten: merged again
     merge_step(store, 1)
-    assert read_merged(store.step_dir(1) / MERGED_TRACE) == whole
+    assert read_trace(store.step_dir(1) / MERGED_TRACE) == whole

@@ -49,7 +49,10 @@ def write_steps(store) -> None:
         with_records(
             store,
             k,
-            {"r0": stats(0.030, 0.004, 0.006, 12, 190, [0.021], k - 1), "r1": stats(0.020, 0.004, 0.016, 6, 96, [0.033], k - 1)},
+            {
+                "r0": stats(0.030, 0.004, 0.006, 12, 190, [0.021], k - 1),
+                "r1": stats(0.020, 0.004, 0.016, 6, 96, [0.033], k - 1),
+            },
             Staleness().plus([0, 1, 1]),
         )
 
@@ -71,7 +74,16 @@ def test_reports_are_self_contained(store):
         for text in ("rollout/r0", "trainer/rank_0", "aten::mm", "start spread", "stop step", "clock_sync"):
             assert text in html, text
         # the RL step breakdown: the replicas' states, imbalance, long tail, versions, staleness
-        for text in ("RL step breakdown", "generating s", "held s", "1.200", "Slowest requests", "0.033", f"v{k - 1}: 18", "0: 1, 1: 2"):
+        for text in (
+            "RL step breakdown",
+            "generating s",
+            "held s",
+            "1.200",
+            "Slowest requests",
+            "0.033",
+            f"v{k - 1}: 18",
+            "0: 1, 1: 2",
+        ):
             assert text in html, text
     index = result.index.read_text()
     assert 'href="step_1/report.html"' in index and 'href="step_2/report.html"' in index

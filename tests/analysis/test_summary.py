@@ -229,5 +229,6 @@ def test_diff_covers_the_breakdown(store):
     gen = d["rollout generating, all replicas"]
     assert (gen.unit, gen.a, gen.b, gen.delta) == ("s", 4.0, 6.0, 2.0)
     assert d["rollout idle, all replicas"].delta == pytest.approx(-2.0)
-    assert d["imbalance: generating"].b == pytest.approx(1.0) and d["imbalance: generating"].ratio == pytest.approx(0.667)
+    imbalance = d["imbalance: generating"]
+    assert imbalance.b == pytest.approx(1.0) and imbalance.ratio == pytest.approx(0.667)
     assert d["staleness, max"].a == 2 and d["slowest request"].b == 2.5

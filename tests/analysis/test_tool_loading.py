@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from hta.trace_analysis import TraceAnalysis
+from support.traces import read_trace
 from torch_tb_profiler import consts
 from torch_tb_profiler import io as tb_io
 from torch_tb_profiler.plugin import TorchProfilerPlugin
@@ -99,10 +100,8 @@ def test_hta_loads_the_whole_step_as_ranks(recorded, view):
 
 
 def test_rewritten_traces_say_rank_and_world_size_once(view):
-    import gzip
-
     for f in view.files:
-        data = json.loads(gzip.decompress((Path(view.directory) / f.name).read_bytes()))
+        data = read_trace(Path(view.directory) / f.name)
         assert data["distributedInfo"]["rank"] == f.rank and data["distributedInfo"]["world_size"] == 3
         # Kineto's own key was replaced, not followed by a second one that json.loads would take.
         assert data["traceEvents"] and data.get("baseTimeNanoseconds")

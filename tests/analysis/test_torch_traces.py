@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from support.traces import read_trace
 
 from profiling.analysis.merge import merge_step
 from profiling.analysis.summary import summarize_step
@@ -15,8 +16,6 @@ from profiling.config import ProfileOptions
 from profiling.manifest import ManifestEntry, SessionRecord, SyncCost
 from profiling.session import ProfileSession
 from profiling.store import MERGED_TRACE, TraceStore
-
-from .synth import read_merged
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +75,7 @@ def test_merge_measures_each_offset_and_places_forward_steps_inside_their_window
     for a in record.processes:
         # Kineto's clock is torch's TSC clock converted to unix time: close to time.time_ns().
         assert abs(a.offset_ns) < 5_000_000 and a.uncertainty_ns < 5_000_000, a
-    trace = read_merged(recorded.step_dir(1) / MERGED_TRACE)
+    trace = read_trace(recorded.step_dir(1) / MERGED_TRACE)
     base = trace["baseTimeNanoseconds"]
     windows = {e["pid"]: e for e in trace["traceEvents"] if e.get("name") == "profiling window step 1"}
     assert len(windows) == 3

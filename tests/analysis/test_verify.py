@@ -13,8 +13,9 @@ import pytest
 from typer.testing import CliRunner
 
 from profiling.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, app
-from profiling.manifest import ClockOffset
+from profiling.manifest import ClockOffset, TraceDialect
 from profiling.store import TraceStore
+from serve_app.engines.sglang.trace_dialect import SGLANG_DIALECT
 
 from .synth import Ev, Proc, forward, write_step
 
@@ -344,6 +345,16 @@ def test_passes_outside_a_paused_window_fail(clean):
     assert "2 forward pass(es) on weights v1" in v["message"]
 
 
+def test_passes_after_a_cap_are_a_note_not_a_violation(clean):
+    """A window capped at max_forward_steps stops recording while its step stays active: the
+    passes after the cap are unrecorded on purpose (with the same count and no cap, a violation)."""
+    edit_entry(clean, 2, "rollout/r0", forward_steps_outside=7, auto_stopped="max_forward_steps")
+    code, report = verify(clean)
+    assert code == EXIT_OK, report
+    [note] = report["notes"]
+    assert (note["entry"], note["check"]) == ("rollout/r0", "outside_window") and "capped" in note["message"]
+
+
 def test_passes_outside_are_a_note_when_not_counted_and_ignored_without_pause(clean):
     edit_entry(clean, 2, "rollout/r0", forward_steps_outside=None)
     edit_entry(clean, 2, "rollout/r1", forward_steps_outside=5, sync_held_s=None)
@@ -404,11 +415,19 @@ def test_each_tensor_parallel_rank_holds_every_iteration(clean):
     assert (v["entry"], v["check"]) == ("rollout/r0", "marker_count") and f"rank1.{TRACE}" in v["message"], v
 
 
-def sglang_trace(path: Path, forwards: int) -> None:
+def sglang_trace(path: Path, forwards: int, forward_name: str = "step[DECODE bs=1]") -> None:
     """An SGLang trace as the adapter names it: SGLang's `step[..]` range around each forward,
     no version inside (the file name carries it)."""
     events = [
-        {"ph": "X", "cat": "user_annotation", "name": "step[DECODE bs=1]", "ts": 1000 * (n + 1), "dur": 300, "pid": 1, "tid": 1}
+        {
+            "ph": "X",
+            "cat": "user_annotation",
+            "name": forward_name,
+            "ts": 1000 * (n + 1),
+            "dur": 300,
+            "pid": 1,
+            "tid": 1,
+        }
         for n in range(forwards)
     ]
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -426,7 +445,9 @@ def as_sglang(store: TraceStore, step: int, versions: dict[int, int], forward_st
             sglang_trace(store.step_dir(step) / rel, n)
             rels.append(rel)
     trace(store, step, "rollout/r0").unlink()
-    edit_entry(store, step, "rollout/r0", files=rels, forward_steps=forward_steps, clock=None)
+    edit_entry(
+        store, step, "rollout/r0", files=rels, forward_steps=forward_steps, clock=None, trace_dialect=SGLANG_DIALECT
+    )
 
 
 def test_sglang_recordings_are_versioned_and_counted_by_file(clean):
@@ -446,3 +467,22 @@ def test_an_sglang_count_that_disagrees_fails(clean):
     as_sglang(clean, 2, {1: 4}, forward_steps=5)
     v = only_violation(clean)
     assert (v["entry"], v["check"]) == ("rollout/r0", "marker_count") and "forward_steps=5" in v["message"], v
+
+
+def test_the_entrys_dialect_decides_how_its_traces_are_read(clean):
+    """An engine's own naming, declared in its entry (`iter[..]` around each forward, the version
+    in the file's name): verified by it. The same files read as this project's markers (an entry
+    without the dialect) carry no weight version."""
+    own = TraceDialect(forward_range="iter[", version_in="file_name", file_version=r"\.w(\d+)\.")
+    rel = "rollout/r0/engine.w1.trace.json.gz"
+    sglang_trace(clean.step_dir(2) / rel, 3, forward_name="iter[3 tokens]")
+    trace(clean, 2, "rollout/r0").unlink()
+    edit_entry(clean, 2, "rollout/r0", files=[rel], forward_steps=3, clock=None, trace_dialect=own)
+    code, report = verify(clean)
+    assert code == EXIT_OK, report
+    edit_entry(clean, 2, "rollout/r0", forward_steps=4)
+    v = only_violation(clean)
+    assert (v["entry"], v["check"]) == ("rollout/r0", "marker_count") and "('iter[...')" in v["message"], v
+    edit_entry(clean, 2, "rollout/r0", forward_steps=3, trace_dialect=TraceDialect())
+    v = only_violation(clean)
+    assert (v["entry"], v["check"]) == ("rollout/r0", "versions") and "carry no weight version" in v["message"], v

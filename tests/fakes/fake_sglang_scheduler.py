@@ -2,9 +2,10 @@
 
 It copies the behaviour of SGLang 0.5.x's scheduler that the SGLang engine adapter depends on,
 from `sglang/srt/managers/scheduler.py` (run_batch: `forward_ct += 1`, then the profiler
-predicate, then the forward), `scheduler_components/profiler_manager.py` (start/stop, num_steps
-auto-stop, trace file naming, messages) and the weight-update path (`update_weights_from_disk`,
-then `flush_cache`, whose failure is an assertion that kills the scheduler):
+predicate, then the forward; `flush_cache`), `scheduler_components/profiler_manager.py`
+(start/stop, num_steps auto-stop, trace file naming, messages) and the weight-update path
+(`scheduler_components/weight_updater.py`: load, record the version, then flush the cache, a
+refused flush failing the call after the weights changed):
 
 * one scheduler thread runs every batch and every control request between batches, as SGLang's
   scheduler event loop does; torch.profiler starts, records and stops on that thread;
@@ -15,7 +16,11 @@ then `flush_cache`, whose failure is an assertion that kills the scheduler):
   `sglang/srt/utils/profile_utils.py`); tests/unit/test_sglang_package.py checks the names
   against the installed SGLang;
 * generation runs the real checkpoint at --model-path with transformers, on CPU, without a KV
-  cache (each step re-reads the whole sequence);
+  cache (each step re-reads the whole sequence); the radix cache is kept as bookkeeping only
+  (`cached_weights`: which loaded weights computed the KV it would hold; a forward while it holds
+  another load's KV is a `stale_cache_forwards`, one that SGLang would let reuse it), emptied by a
+  flush alone, which SGLang refuses while a request is in the running batch (no pause, or an
+  `in_place` one) and, unpaused, while one waits;
 * pause modes: `abort` ends every request, `retract` sets running requests aside (they keep
   their tokens and continue after /continue_generation), `in_place` freezes them where they are;
 * sampling (`sglang/srt/sampling/sampling_params.py`, `penaltylib/`, `schedule_batch.py`'s
@@ -30,12 +35,13 @@ then `flush_cache`, whose failure is an assertion that kills the scheduler):
   session (`begin_weight_update`/`end_weight_update`) outside which `update_weights_from_distributed`
   is refused; inside, the broadcast is received from the trainer's group
   (tests/fakes/fake_sglang_weight_group.py), loaded, the version recorded, then the cache flushed,
-  a refused flush (requests still running) failing the call as in 0.5.23.
+  a refused flush (requests still running) failing the call, as from disk.
 
-Not copied: batching across requests inside one forward, KV cache, radix cache, the stream's
+Not copied: batching across requests inside one forward, KV and radix cache (bookkeeping only), the stream's
 hold-back of a possible stop-string prefix, stop_regex, grammars, logit_bias, n > 1 and beams,
-tensor/pipeline parallelism (always TP-0), SGLang's `scheduler.*` stage ranges, CUDA (GPU activity is recorded only where CUDA exists;
-CUDA_PROFILER, MEM and RPD activities fail cleanly instead of crashing as they would on CPU).
+tensor/pipeline parallelism (always TP-0), SGLang's `scheduler.*` stage ranges, CUDA (GPU activity is
+recorded only where CUDA exists; CUDA_PROFILER, MEM and RPD activities fail cleanly instead of crashing as
+they would on CPU).
 """
 
 from __future__ import annotations
@@ -63,6 +69,12 @@ log = logging.getLogger("fake_sglang")
 _IDLE_WAIT_S = 0.05
 _NEEDS_DEVICE = {"CUDA_PROFILER", "MEM", "RPD", "XPU"}
 
+
+FLUSH_REFUSED_AFTER_UPDATE = (
+    "Weights were updated, but the cache was not flushed because requests are still running or queued. "
+    "Retract or finish them, then call /flush_cache."
+)
+"""SGLang's message (`flush_cache_after_weight_update`) when a weight update's flush is refused."""
 
 _SAMPLING_EPS = 1e-6
 TOP_K_ALL = 1 << 30
@@ -248,7 +260,9 @@ class ProfilerManager:
         if torch.cuda.is_available():
             activity_map["GPU"] = torch.profiler.ProfilerActivity.CUDA
         torch_activities = [activity_map[a] for a in self.activities if a in activity_map]
-        log.info("Profiling starts. Traces will be saved to: %s (with profile id: %s)", self.output_dir, self.profile_id)
+        log.info(
+            "Profiling starts. Traces will be saved to: %s (with profile id: %s)", self.output_dir, self.profile_id
+        )
         if torch_activities:  # as in SGLang, no known activity: nothing starts, yet "Succeeded"
             self.torch_profiler = torch.profiler.profile(
                 activities=torch_activities,
@@ -306,6 +320,13 @@ class Scheduler:
         self.forward_ct = 0
         self.forwards: list[tuple[str, bool]] = []
         """Fake-only, for tests: (weight version, recorded by the profiler) of every forward."""
+        self.weights_loaded = 0
+        """Fake-only: how many times weights were copied in (0: the checkpoint at --model-path)."""
+        self.cached_weights: set[int] = set()
+        """Fake-only: the loads (`weights_loaded`) whose KV the radix cache would hold."""
+        self.stale_cache_forwards = 0
+        """Fake-only, for tests: forwards run while the radix cache held KV of weights no longer
+        served, which SGLang would let a request with that prefix reuse."""
         self.profiler = ProfilerManager()
         self.weight_groups = WeightGroups()
         self._weight_session: dict[str, bool] | None = None
@@ -366,7 +387,9 @@ class Scheduler:
 
     def abort_all(self) -> None:
         for req in [*self._running, *self._waiting, *self._retracted]:
-            self._finish(req, {"type": "abort", "message": "Abort in waiting queue", "status_code": None, "err_type": None})
+            self._finish(
+                req, {"type": "abort", "message": "Abort in waiting queue", "status_code": None, "err_type": None}
+            )
         self._running.clear()
         self._waiting.clear()
         self._retracted.clear()
@@ -391,26 +414,38 @@ class Scheduler:
                 req.version_events.append((self.weight_version, len(req.output_ids)))
         self.weight_version = new
 
-    def update_weights_from_disk(self, model_path: str, flush_cache: bool) -> tuple[bool, str]:
-        """SGLang's path: load (rolling back on failure), then flush the cache, whose failure is
-        an AssertionError that ends the scheduler process."""
+    def update_weights_from_disk(
+        self, model_path: str, flush_cache: bool, weight_version: str | None
+    ) -> tuple[bool, str]:
+        """SGLang's path: load (rolling back on failure), record the version, then flush the
+        cache; a refused flush fails the call with the new weights loaded."""
         success, message = self._load_weights(model_path)
-        if success and flush_cache and not self._can_flush():
-            log.error(
-                "AssertionError: Cache flush failed after updating weights (%d running requests in "
-                "pause mode %r); the scheduler exits",
-                len(self._running) + len(self._waiting),
-                self._paused,
-            )
-            os._exit(1)
+        if success and weight_version is not None:
+            self.set_weight_version(weight_version)
+        if success and flush_cache and not self.flush_cache():
+            success, message = False, FLUSH_REFUSED_AFTER_UPDATE
         if not success:
             log.error(message)
         return success, message
 
+    def flush_cache(self) -> bool:
+        """SGLang's `Scheduler.flush_cache`: empty the radix cache, only when fully idle."""
+        if not self._can_flush():
+            log.warning(
+                "Cache not flushed because there are pending requests. #queue-req: %d, #running-req: %d",
+                len(self._waiting),
+                len(self._running),
+            )
+            return False
+        self.cached_weights.clear()
+        log.info("Cache flushed successfully!")
+        return True
+
     def _can_flush(self) -> bool:
-        # SGLang's flush_cache refuses while requests run or wait; retracted requests have
-        # released their KV cache and do not count.
-        return not self._running and not self._waiting
+        # SGLang's `is_fully_idle(ignore_waiting=self._engine_paused)`: nothing in the running
+        # batch, and unpaused nothing waiting. Retracted requests released their KV and wait in
+        # the queue (their prefixes stay in the radix cache).
+        return not self._running and (self._paused is not None or not self._waiting)
 
     def _load_weights(self, model_path: str) -> tuple[bool, str]:
         path = Path(model_path)
@@ -446,6 +481,7 @@ class Scheduler:
         with torch.no_grad():
             for name, tensor in named:
                 params[name].copy_(tensor.to(params[name].dtype))
+        self.weights_loaded += 1
         return None
 
     # -- weights by SGLang's own distributed update (scheduler_components/weight_updater.py) -----
@@ -494,18 +530,17 @@ class Scheduler:
         self._weight_session["loaded_weights"] = True
         if weight_version is not None:
             self.set_weight_version(weight_version)
-        if flush_cache and not self._can_flush():
-            return False, (
-                "Weights were updated, but the cache was not flushed because requests are still running or "
-                "queued. Retract or finish them, then call /flush_cache."
-            )
+        if flush_cache and not self.flush_cache():
+            return False, FLUSH_REFUSED_AFTER_UPDATE
         return True, "Succeeded to update parameter online."
 
     # -- the loop ------------------------------------------------------------------------------
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not (self._stopped or self._controls or (self._paused is None and (self._waiting or self._running))):
+                while not (
+                    self._stopped or self._controls or (self._paused is None and (self._waiting or self._running))
+                ):
                     self._cond.wait(_IDLE_WAIT_S)
                 if self._stopped:
                     return
@@ -533,6 +568,9 @@ class Scheduler:
         batch = batch or list(self._running)
         extend_tokens = sum(len(r.input_ids) + len(r.output_ids) for r in batch)
         self.forwards.append((self.weight_version, self.profiler.in_progress))
+        if self.cached_weights - {self.weights_loaded}:
+            self.stale_cache_forwards += 1
+        self.cached_weights.add(self.weights_loaded)
         with torch.profiler.record_function(step_span_name(mode, len(batch), extend_tokens)), torch.no_grad():
             for req in batch:
                 req.prefilled = True
@@ -574,7 +612,9 @@ class Scheduler:
                 req.input_top_logprobs.append(None)
                 continue
             req.input_logprobs.append(float(logprobs[i - 1, req.input_ids[i]]))
-            req.input_top_logprobs.append(_topk(logprobs[i - 1], req.top_logprobs_num) if req.top_logprobs_num else None)
+            req.input_top_logprobs.append(
+                _topk(logprobs[i - 1], req.top_logprobs_num) if req.top_logprobs_num else None
+            )
 
     def _sample(self, req: Req, logits: torch.Tensor) -> int:
         """Penalties, the min_new_tokens mask, temperature, top-k, top-p and min-p, then one
@@ -669,14 +709,17 @@ class Scheduler:
         """SGLang's request checks (ValueError: HTTP 400), then a request ready to submit."""
         if len(input_ids) >= self.context_len:
             raise ValueError(
-                f"The input ({len(input_ids)} tokens) is longer than the model's context length ({self.context_len} tokens)."
+                f"The input ({len(input_ids)} tokens) is longer than "
+                f"the model's context length ({self.context_len} tokens)."
             )
         bad = [t for t in input_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"fake SGLang server: token ids {bad[:5]} are outside the vocabulary of {self.vocab_size}")
         params.verify()
         if return_logprob and logprob_start_len >= len(input_ids):
-            raise ValueError(f"logprob_start_len ({logprob_start_len}) is not smaller than the input ({len(input_ids)} tokens)")
+            raise ValueError(
+                f"logprob_start_len ({logprob_start_len}) is not smaller than the input ({len(input_ids)} tokens)"
+            )
         generator = None
         if params.sampling_seed is not None:
             generator = torch.Generator().manual_seed(params.sampling_seed)

@@ -27,8 +27,11 @@ them):
   auto-stops before the engine step after the last one;
 * `POST /update_weights_from_disk`: loads every safetensors file of `model_path` between batches,
   answers `{success, message, num_paused_requests}` (400 when not loaded, the old weights keep
-  serving), sets `weight_version`; with `flush_cache` and requests still running (no pause, or an
-  `in_place` pause) the scheduler exits, as SGLang's failed cache-flush assertion makes it;
+  serving), sets `weight_version`, then with `flush_cache` flushes the cache: refused while
+  requests are still running (no pause, or an `in_place` pause), which fails the call (400) with
+  the new weights loaded, as in 0.5.23;
+* `GET|POST /flush_cache`: "Cache flushed." (200), or 400 "Flush cache failed." when SGLang's
+  scheduler refuses (requests in the running batch; unpaused, also waiting ones);
 * `POST /pause_generation {"mode": "abort"|"retract"|"in_place"}`, `POST /continue_generation`;
 * SGLang's own distributed weight update, each answering `{success, message}` (HTTP 400 when not
   successful): `POST /init_weights_update_group` (joins the trainer's group as rank
@@ -44,9 +47,11 @@ Malformed bodies are HTTP 400 with SGLang's ErrorResponse shape. SGLang ignores 
 fields; so does this fake, logging a warning, unless started with the fake-only flag
 `--fake-strict-fields`, which rejects them with a 400 naming the field (tests use it to catch a
 misspelt field in the adapter). Not faithful: see the scheduler module's docstring, and no
-batch requests, no other routes; a distributed update without a pause runs between batches
-(SGLang first waits, under its model-update lock, for the requests in flight to finish), and a
-CPU fake joins a group whose backend is "nccl" with gloo.
+batch requests, no other routes; a weight update (from disk or distributed) without a pause runs
+between batches (SGLang first waits, under its model-update lock, for the requests in flight to
+finish, so its flush is not refused), a CPU
+fake joins a group whose backend is "nccl" with gloo, and `/flush_cache` answers at once (its
+`timeout` query, a flush deferred until idle, is ignored).
 """
 
 from __future__ import annotations
@@ -76,6 +81,12 @@ from fakes.fake_sglang_scheduler import ProfileReq, SamplingParams, Scheduler
 log = logging.getLogger("fake_sglang")
 
 WARMUP_INPUT_IDS = [10, 11, 12]
+CACHE_FLUSHED = (
+    "Cache flushed.\nPlease check backend logs for more details. "
+    "(When there are running or waiting requests, the operation will not be performed.)\n"
+)
+FLUSH_FAILED = "Flush cache failed.\n"
+"""`/flush_cache`'s answers (http_server.py): flushed, or refused by the scheduler."""
 
 
 class _Lenient(BaseModel):
@@ -282,7 +293,9 @@ class FakeSglangServer:
         return await self.scheduler.control(fn)
 
 
-def build_app(scheduler: Scheduler, *, strict_fields: bool = False, incremental_streaming_output: bool = False) -> FastAPI:
+def build_app(
+    scheduler: Scheduler, *, strict_fields: bool = False, incremental_streaming_output: bool = False
+) -> FastAPI:
     """The fake server's FastAPI app around a running `scheduler` (shut down with the app).
     `incremental_streaming_output`: SGLang's server flag of that name (each stream chunk carries
     only its new tokens and logprobs; by default every chunk carries all so far)."""
@@ -336,7 +349,9 @@ def build_app(scheduler: Scheduler, *, strict_fields: bool = False, incremental_
         async with server.pause_cond:
             await server.pause_cond.wait_for(lambda: not server.is_pause)
         # One prompt from here on (batches were refused above).
-        input_ids = cast(list[int], obj.input_ids) if obj.input_ids is not None else scheduler.tokenizer(obj.text).input_ids
+        input_ids = (
+            cast(list[int], obj.input_ids) if obj.input_ids is not None else scheduler.tokenizer(obj.text).input_ids
+        )
         params = SamplingParams(**cast(dict[str, Any], obj.sampling_params or {}))  # unknown key: TypeError, HTTP 500
         kwargs: dict[str, Any] = {
             "rid": obj.rid,
@@ -346,7 +361,9 @@ def build_app(scheduler: Scheduler, *, strict_fields: bool = False, incremental_
         }
         try:
             if obj.stream:
-                return StreamingResponse(await server.stream(input_ids, params, **kwargs), media_type="text/event-stream")
+                return StreamingResponse(
+                    await server.stream(input_ids, params, **kwargs), media_type="text/event-stream"
+                )
             return await server.run(input_ids, params, **kwargs)
         except ValueError as e:
             log.error("[http_server] Error: %s", e)
@@ -378,7 +395,9 @@ def build_app(scheduler: Scheduler, *, strict_fields: bool = False, incremental_
 
     @app.api_route("/stop_profile", methods=["GET", "POST"])
     async def stop_profile() -> Response:
-        success, message = await server.control(lambda: scheduler.profiler.handle(ProfileReq(), False, scheduler.forward_ct))
+        success, message = await server.control(
+            lambda: scheduler.profiler.handle(ProfileReq(), False, scheduler.forward_ct)
+        )
         if not success:
             raise RuntimeError(message)
         return Response(content="Stop profiling. This will take some time.\n", status_code=200)
@@ -389,16 +408,19 @@ def build_app(scheduler: Scheduler, *, strict_fields: bool = False, incremental_
         if obj.abort_all_requests:
             await server.control(scheduler.abort_all)
 
-        def load() -> tuple[bool, str]:
-            success, message = scheduler.update_weights_from_disk(obj.model_path, obj.flush_cache)
-            if success and obj.weight_version is not None:
-                scheduler.set_weight_version(obj.weight_version)
-                message += f" Weight version updated to {obj.weight_version}."
-            return success, message
-
-        success, message = await server.control(load)
+        success, message = await server.control(
+            lambda: scheduler.update_weights_from_disk(obj.model_path, obj.flush_cache, obj.weight_version)
+        )
+        if success and obj.weight_version is not None:
+            message += f" Weight version updated to {obj.weight_version}."
         content = {"success": success, "message": message, "num_paused_requests": 0}
         return JSONResponse(content, status_code=200 if success else 400)
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        if await server.control(scheduler.flush_cache):
+            return Response(content=CACHE_FLUSHED, status_code=200)
+        return Response(content=FLUSH_FAILED, status_code=400)
 
     def answer(success: bool, message: str) -> JSONResponse:
         """The weight routes' `{success, message}`, HTTP 400 when not successful."""
@@ -464,7 +486,11 @@ def build_app(scheduler: Scheduler, *, strict_fields: bool = False, incremental_
         if obj.abort_all_requests:
             await server.control(scheduler.abort_all)
         await server.control(lambda: scheduler.set_weight_version(obj.new_version))
-        content = {"success": True, "message": f"Weight version updated to {obj.new_version}", "new_version": obj.new_version}
+        content = {
+            "success": True,
+            "message": f"Weight version updated to {obj.new_version}",
+            "new_version": obj.new_version,
+        }
         return JSONResponse(content)
 
     @app.post("/pause_generation")

@@ -64,7 +64,7 @@ def init_custom_process_group(
     elif init_method is None:
         init_method = "env://"
 
-    if backend:
+    if backend:  # noqa: SIM108 - SGLang's statement, copied as it is (test_sglang_package)
         backend = Backend(backend)
     else:
         backend = Backend("undefined")

@@ -1,26 +1,30 @@
 """Shared helpers of the integration tests: HTTP clients, polling, concurrent generation, traces.
 
-Not a conftest (the root tests/conftest.py is imported as the module `conftest`, and a second
-conftest without a package would shadow it); test modules import from here directly.
+A plain module beside this directory's conftest.py (which holds the fixtures): test modules import
+from here directly (this directory is no package, so pytest puts it on sys.path).
 """
 
 from __future__ import annotations
 
 import contextlib
-import gzip
 import json
 import os
-import re
 import signal
+import stat
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
+from support.traces import read_trace
+
+from profiling.markers import parse_forward_step
 
 T = TypeVar("T")
 
@@ -28,7 +32,6 @@ VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"
 """What vLLM on CPU needs in this machine's tests (a replica's `replica_env`, or this process's)."""
 HTTP_TIMEOUT_S = 60.0
 RESTART_TIMEOUT_S = 120.0
-MARKER = re.compile(r"^forward_step#(\d+) step=(\d+) weight_version=(\d+)$")
 PROMPTS = [
     "The rollout server answers prompts",
     "A weight update publishes a new parameter version",
@@ -37,6 +40,21 @@ PROMPTS = [
     "The quick brown fox jumps",
     "Questions and answers, prompts and completions",
 ]
+
+
+@dataclass(frozen=True)
+class HttpOptions:
+    """How a module's `http` client (conftest.py's fixture) reaches its app: a module sets
+    `HTTP = HttpOptions(...)` when the defaults do not fit."""
+
+    app: str = "app"
+    """The fixture that yields the module's app (a support.apps.ServeApp)."""
+    timeout: float = HTTP_TIMEOUT_S
+    token: str | None = None
+    """A bearer token sent with every request (an app with `auth_token`)."""
+    stop_at_end: bool | Callable[[Any], bool] = False
+    """Leave the app idle at the end of the module (stop an active profiling session): True, or a
+    callable that decides given the app (False for one the module deleted)."""
 
 
 def client(base_url: str, token: str | None = None, timeout: float = HTTP_TIMEOUT_S) -> httpx.Client:
@@ -109,11 +127,6 @@ def wait_manifest(c: httpx.Client, step: int, statuses: tuple[str, ...], timeout
     return poll(done, timeout=timeout, what=f"step {step} manifest status in {statuses}")
 
 
-def read_trace(path: Path) -> dict:
-    with gzip.open(path, "rt") as f:
-        return json.load(f)
-
-
 def trace_events(step_dir: Path, entry: dict) -> list[dict]:
     """All Chrome-trace events of a rollout entry's files (each listed file must exist)."""
     assert entry["files"], entry
@@ -129,9 +142,9 @@ def forward_markers(events: list[dict]) -> list[tuple[int, int, int]]:
     """(index, step, weight_version) of every forward_step range, in index order."""
     found = []
     for ev in events:
-        m = MARKER.match(str(ev.get("name", "")))
+        m = parse_forward_step(str(ev.get("name", "")))
         if m and ev.get("ph") == "X":
-            found.append(tuple(int(g) for g in m.groups()))
+            found.append((m.index, m.step, m.weight_version))
     return sorted(found)
 
 
@@ -148,6 +161,50 @@ def check_entry_traces(
     allowed = versions if versions is not None else {entry["weight_version"]}
     assert {v for _, _, v in markers} <= allowed, (markers[:3], entry)
     return markers
+
+
+def _trace_file() -> str:
+    from profiling.backends.torch_profiler import TRACE_FILE  # torch: only for the tests that stall
+
+    return TRACE_FILE
+
+
+def stall_export(entry_dir: Path) -> list[Path]:
+    """Make the trace export of the replica owning `entry_dir` hang, deterministically: it writes
+    its trace through temp files in that directory, and opening a FIFO for writing blocks until
+    a reader comes (none will). A slow disk, without depending on how long an export takes."""
+    trace = _trace_file()
+    fifos = [entry_dir / f".{trace}.tmp.json", entry_dir / f".{trace}.tmp.gz"]
+    for fifo in fifos:
+        os.mkfifo(fifo)
+    return fifos
+
+
+def release_export(fifos: list[Path], timeout: float = 60.0) -> threading.Thread:
+    """Let an export that `stall_export` stalled finish with its real trace; returns the thread
+    doing it (join it before reading the trace). Kineto writes the JSON aside and renames it
+    over the `.tmp.json` FIFO, so the export waits on the `.tmp.gz` one: read what it writes
+    there, and once the export has renamed that FIFO to the trace's name, put the bytes read in
+    its place as a file (the entry keeps the FIFO's size, 0)."""
+    packed = fifos[1]
+    trace = packed.parent / _trace_file()
+
+    def release() -> None:
+        with open(packed, "rb") as f:
+            data = f.read()
+        poll(
+            lambda: trace.exists() and stat.S_ISFIFO(trace.stat().st_mode),
+            timeout=timeout,
+            what="the export to move its FIFO into place",
+            interval=0.01,
+        )
+        written = packed.parent / ".released.tmp"
+        written.write_bytes(data)
+        written.replace(trace)
+
+    thread = threading.Thread(target=release, daemon=True)
+    thread.start()
+    return thread
 
 
 def kill_replica(report: dict, known_pids: set[int]) -> None:
@@ -203,7 +260,7 @@ async def direct_vllm_engine(model_dir: Path, tmp: Path) -> AsyncIterator[Any]:
     from profiling.session import ProfileSession
     from profiling.store import TraceStore
     from serve_app.config import AppArgs
-    from serve_app.engines.vllm_engine import VllmEngine
+    from serve_app.engines.vllm.engine import VllmEngine
 
     os.environ.update(VLLM_ENV)
     exporter = ThreadPoolExecutor(1, thread_name_prefix="export")
@@ -246,7 +303,7 @@ def run_example_in_cluster(example: Path, app: Any, model_dir: Path, *extra: str
             "--model-path",
             str(model_dir),
             *extra,
-        ],  # fmt: skip
+        ],
         cwd=Path(__file__).resolve().parents[2],
         capture_output=True,
         text=True,

@@ -32,7 +32,7 @@ from serve_app.app import build_app  # noqa: E402
 from serve_app.net import free_port  # noqa: E402
 from trainer.client import RolloutClient, RolloutError  # noqa: E402
 from trainer.in_cluster import InClusterWeights  # noqa: E402
-from trainer.profiled_sync import ProfiledWeightSync  # noqa: E402
+from trainer.profiled_sync import InClusterPublisher, ProfiledWeightSync  # noqa: E402
 
 APP = "multinode"
 NODE_ARGS = {"num_cpus": 2, "object_store_memory": 200 * 2**20, "include_dashboard": False}
@@ -70,7 +70,9 @@ async def scenario(url: str, work: Path, model_dir: Path) -> dict:
     base = load_file(str(model_dir / "model.safetensors"))
     async with RolloutClient(url) as client, httpx.AsyncClient(base_url=url, timeout=60) as http:
         # The trainer runs in this Ray cluster: weights go through the object store.
-        sync = ProfiledWeightSync(StepSchedule(steps=[1, 2]), client, save_path=None, transport=InClusterWeights(APP))
+        sync = ProfiledWeightSync(
+            StepSchedule(steps=[1, 2]), client, save_path=None, publisher=InClusterPublisher(InClusterWeights(APP))
+        )
         await sync.begin()  # starts step 1
         report["status_step1"] = await generate_until_every_replica_recorded(http, client)
         new = {k: v + 0.01 for k, v in base.items()}

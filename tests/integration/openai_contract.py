@@ -5,6 +5,8 @@ version 0 while these run) and `tok` (the served model's tokenizer)."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 
@@ -16,7 +18,7 @@ def spans_cover(choice: dict, count: int | None = None) -> list[dict]:
     n = len(choice["token_ids"]) if count is None else count
     assert spans, choice
     assert spans[0]["start"] == 0 and spans[-1]["end"] == n, spans
-    for a, b in zip(spans, spans[1:], strict=False):
+    for a, b in itertools.pairwise(spans):
         assert a["end"] == b["start"] and a["version"] < b["version"], spans
     if count is None:
         assert choice["weight_version"] == spans[0]["version"], "a choice's weight_version is its oldest"
@@ -199,7 +201,14 @@ def test_echo_prepends_the_prompt_with_its_logprobs(oai):
 
 
 def test_streaming_matches_the_full_answer_and_reports_usage(oai, http):
-    kwargs = dict(model="tiny-llama", prompt=["One two three", "Red green"], n=2, max_tokens=16, seed=5, logprobs=1)
+    kwargs = {
+        "model": "tiny-llama",
+        "prompt": ["One two three", "Red green"],
+        "n": 2,
+        "max_tokens": 16,
+        "seed": 5,
+        "logprobs": 1,
+    }
     full = oai.completions.create(**kwargs)
     stream = oai.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
     texts: dict[int, str] = {}

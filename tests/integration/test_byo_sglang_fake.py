@@ -16,9 +16,9 @@ import httpx
 import psutil
 import pytest
 import torch
-from conftest import deployed
 from integ_util import complete_one, process_log, run_example_in_cluster, wait_complete_manifest
 from safetensors.torch import load_file
+from support.apps import deployed
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 

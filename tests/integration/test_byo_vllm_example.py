@@ -16,16 +16,16 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import deployed
 from integ_util import (
     VLLM_ENV,
     complete_one,
     forward_markers,
     process_log,
-    read_trace,
     run_example_in_cluster,
     wait_complete_manifest,
 )
+from support.apps import deployed
+from support.traces import trace_events
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -56,7 +56,7 @@ def vllm_app(ray_cluster, model_dir, tmp_path_factory):
 
 def markers(trace: Path) -> set[tuple[int, int]]:
     """(step, weight_version) of the worker's forward-step ranges in `trace`."""
-    return {(step, version) for _, step, version in forward_markers(read_trace(trace)["traceEvents"])}
+    return {(step, version) for _, step, version in forward_markers(trace_events(trace))}
 
 
 def test_the_trainers_own_transfer_through_vllms_rpc_is_profiled_and_served(vllm_app, model_dir):

@@ -16,7 +16,6 @@ start claim the shift, by setting `FAKETIME`, which libfaketime re-reads at ever
 
 from __future__ import annotations
 
-import gzip
 import json
 import os
 import subprocess
@@ -25,9 +24,11 @@ import time
 from pathlib import Path
 
 import pytest
-from integ_util import MARKER, write_perturbed_weights
+from integ_util import write_perturbed_weights
+from support.traces import read_trace
 
 from profiling.analysis.merge import merge_step
+from profiling.markers import parse_forward_step
 from profiling.store import TraceStore
 
 pytestmark = pytest.mark.integration
@@ -73,7 +74,7 @@ def faketime_env(shift_s: str) -> dict[str, str]:
 def skewed_app(ray_cluster, model_dir, tmp_path):
     if not LIBFAKETIME.is_file():
         pytest.fail(f"{LIBFAKETIME} is missing: install Debian's faketime (apt-get install faketime; .ci/run does)")
-    from conftest import deployed
+    from support.apps import deployed
 
     site = tmp_path / "site"
     site.mkdir()
@@ -125,8 +126,7 @@ class Timeline:
     reference-clock nanoseconds, with or without the cross-process offsets."""
 
     def __init__(self, path: Path):
-        with gzip.open(path, "rt") as f:
-            trace = json.load(f)
+        trace = read_trace(path)
         meta = trace["rolloutProfiler"]
         self.base_ns = trace["baseTimeNanoseconds"]
         self.alignment = {a["key"]: a for a in meta["alignment"]}
@@ -146,8 +146,8 @@ class Timeline:
             end = begin + round(ev["dur"] * 1000)
             if ev["pid"] == 1 and ev["tid"] == 1:
                 self.calls[ev["name"]] = (begin, end)
-            elif (m := MARKER.match(ev["name"])) and key_of.get(ev["pid"], "").startswith("rollout/"):
-                self.forward.append((key_of[ev["pid"]], int(m.group(2)), begin, end))
+            elif (m := parse_forward_step(ev["name"])) and key_of.get(ev["pid"], "").startswith("rollout/"):
+                self.forward.append((key_of[ev["pid"]], m.step, begin, end))
 
     def trainer(self) -> dict:
         return self.alignment["trainer/rank_0"]
@@ -170,11 +170,13 @@ def window_violations(timelines: dict[int, Timeline], corrected: bool) -> list[s
                 slack -= a["reference_bound_ns"] + tl.trainer()["reference_bound_ns"]
             if end + shift > stop_call[1] + slack:
                 found.append(
-                    f"{key} step {k}: a forward step ends {(end + shift - stop_call[1]) / 1e6:.1f} ms after stop({k}) answered"
+                    f"{key} step {k}: a forward step ends {(end + shift - stop_call[1]) / 1e6:.1f} ms after "
+                    f"stop({k}) answered"
                 )
             if start_call is not None and begin + shift < start_call[0] - slack:
                 found.append(
-                    f"{key} step {k}: a forward step begins {(start_call[0] - begin - shift) / 1e6:.1f} ms before start({k}) was sent"
+                    f"{key} step {k}: a forward step begins {(start_call[0] - begin - shift) / 1e6:.1f} ms before "
+                    f"start({k}) was sent"
                 )
     return found
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import deploy, deployed
-from integ_util import client, complete, kill_replica, status, wait_for_fleet
+from integ_util import client, complete, kill_replica, status, wait_for_fleet, wait_manifest
+from support.apps import deploy, deployed
 
 from serve_app.tiny_model import TinyModelSpec, ensure_tiny_model
 from trainer.client import RolloutClient, RolloutError
@@ -141,7 +141,8 @@ def test_replica_killed_mid_broadcast_fails_the_sync_named_and_a_restart_joins(s
     assert elapsed < TIMEOUT_S + 8.0, f"the failed sync took {elapsed:.1f}s, control_timeout_s={TIMEOUT_S}"
     say = report_section("a replica killed mid-broadcast (tests/integration/test_collective_weights.py)")
     say(
-        f"the sync failed after {elapsed:.2f} s (control_timeout_s {TIMEOUT_S:g}), the replica killed after bucket 1 of {killed[0]}"
+        f"the sync failed after {elapsed:.2f} s (control_timeout_s {TIMEOUT_S:g}), "
+        f"the replica killed after bucket 1 of {killed[0]}"
     )
     err = failed.value
     assert err.status == 503 and victim["replica_id"] in str(err), err
@@ -163,8 +164,77 @@ def test_replica_killed_mid_broadcast_fails_the_sync_named_and_a_restart_joins(s
 
 
 def test_app_with_file_transfer_refuses_collective(ray_cluster, model_dir, tmp_path_factory):
-    with deployed(ray_cluster, model_dir, tmp_path_factory.mktemp("file"), "filetransfer", num_replicas=1) as app:
-        with pytest.raises(RolloutError) as refused:
-            _sync(app.base_url, 1, _state(model_dir, seed=1))
+    with (
+        deployed(ray_cluster, model_dir, tmp_path_factory.mktemp("file"), "filetransfer", num_replicas=1) as app,
+        pytest.raises(RolloutError) as refused,
+    ):
+        _sync(app.base_url, 1, _state(model_dir, seed=1))
     assert refused.value.status == 422
     assert "weight_transfer: collective" in refused.value.detail, refused.value.detail
+
+
+def test_a_transfer_longer_than_the_hold_timeout_keeps_the_steps_exact(ray_cluster, big_model, tmp_path_factory):
+    """stop(pause) -> a collective update that takes longer than hold_timeout_s (a slow network:
+    the publisher takes 0.3 s per bucket) -> start, with generation going on throughout: the hold
+    covers the transfer and the load and lasts until the start, so no pass on the old weights runs
+    after step 1's window and none on the new ones before step 2's (`profiling verify` clean)."""
+    from concurrent.futures import Future, ThreadPoolExecutor
+
+    from profiling.analysis.verify import verify_steps
+    from profiling.store import TraceStore
+
+    hold_s = 3.0
+    # The hold's deadline runs from the stop until the replicas begin to receive (~2 s here under
+    # this load, the stop's export beside it): the hold must outlast that gap, and the state is
+    # built before the stop so the gap holds no model build.
+    new_state = _state(big_model, seed=7)
+    tmp = tmp_path_factory.mktemp("slowsync")
+    with (
+        deployed(
+            ray_cluster,
+            big_model,
+            tmp,
+            "slowsync",
+            weight_transfer="collective",
+            control_timeout_s=TIMEOUT_S,
+            hold_timeout_s=hold_s,
+        ) as app,
+        client(app.base_url) as c,
+        ThreadPoolExecutor(4) as pool,
+    ):
+        transferred: list[float] = []
+        stop_load = False
+
+        def load() -> None:
+            while not stop_load:
+                complete(c, max_tokens=8)
+
+        def slow_network(i: int, count: int) -> None:
+            time.sleep(0.3)
+            transferred.append(time.monotonic())
+
+        async def sync() -> None:
+            async with RolloutClient(app.base_url, retries=0) as trainer:
+                sender = CollectiveWeights(trainer, bucket_bytes=BUCKET_BYTES, timeout_s=30.0, on_bucket=slow_network)
+                # Step 1 is all generation on the initial weights: started before the load.
+                await trainer.start_profile(1, max_forward_steps=100_000)
+                loads.extend(pool.submit(load) for _ in range(4))
+                await asyncio.sleep(1.0)
+                await trainer.stop_profile(1, pause=True)
+                await sender.update_weights(1, new_state, resume=False)
+                await trainer.start_profile(2, max_forward_steps=100_000)
+                await asyncio.sleep(1.0)
+                await trainer.stop_profile(2)
+
+        loads: list[Future[None]] = []
+        try:
+            asyncio.run(sync())
+        finally:
+            stop_load = True
+            for f in loads:
+                f.result()
+        assert transferred[-1] - transferred[0] > 2 * hold_s, "the transfer was not longer than the hold timeout"
+        for step in (1, 2):
+            assert wait_manifest(c, step, ("complete", "partial"), timeout=120)["status"] == "complete"
+    report = verify_steps(TraceStore(app.save_path), [1, 2])
+    assert report.ok, [v.message for v in report.violations]

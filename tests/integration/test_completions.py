@@ -6,15 +6,9 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from integ_util import client, complete, ok
+from integ_util import complete, ok
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module")
-def http(app):
-    with client(app.base_url) as c:
-        yield c
 
 
 def check_choice(ch: dict, index: int, max_tokens: int) -> None:

@@ -2,13 +2,14 @@
 docs/design.md#status-codes, docs/design.md#manifest):
 
 * a replica killed after acknowledging the stop while its trace export is still running;
-* the ingress (the control replica) killed mid-step and restarted by Serve;
+* the controller (the control replica) killed mid-step and restarted by Serve, and an ingress
+  replica likewise;
 * the save path made unwritable, or full, mid-step;
 * weight files that pass the ingress' checks but fail to load inside the replicas.
 
 One app serves the whole module. Only processes this module started through Serve are killed:
-replica pids come from the replicas' own reports, the ingress is found by the name Serve gives
-this app's replica actor.
+replica pids come from the replicas' own reports, the controller and the ingress are found by the
+names Serve gives this app's replica actors.
 """
 
 from __future__ import annotations
@@ -24,25 +25,24 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import ServeApp, deployed
 from integ_util import (
     RESTART_TIMEOUT_S,
+    HttpOptions,
     check_entry_traces,
-    client,
     complete,
     complete_concurrently,
     generate_until_all_recorded,
     kill_replica,
     ok,
     poll,
+    stall_export,
     status,
     stop_if_active,
     wait_for_fleet,
     wait_manifest,
     write_perturbed_weights,
 )
-
-from profiling.backends.torch_profiler import TRACE_FILE
+from support.apps import ServeApp, deployed
 
 pytestmark = pytest.mark.integration
 
@@ -91,13 +91,8 @@ def faults(ray_cluster, model_dir, disk, tmp_path_factory) -> Iterator[ServeApp]
         yield served
 
 
-@pytest.fixture(scope="module")
-def http(faults) -> Iterator[httpx.Client]:
-    with client(faults.base_url, timeout=30.0) as c:
-        try:
-            yield c
-        finally:
-            stop_if_active(c)
+HTTP = HttpOptions(app="faults", timeout=30.0, stop_at_end=True)
+"""How `http` (conftest.py) reaches this module's app."""
 
 
 @pytest.fixture(scope="module")
@@ -135,16 +130,6 @@ def run_step(http: httpx.Client, app: ServeApp, step: int) -> dict:
 
 
 # -- a replica killed mid-export --------------------------------------------------------------
-
-
-def stall_export(entry_dir: Path) -> list[Path]:
-    """Make the trace export of the replica owning `entry_dir` hang, deterministically: it writes
-    its trace through temp files in that directory, and opening a FIFO for writing blocks until
-    a reader comes (none will). A slow disk, without depending on how long an export takes."""
-    fifos = [entry_dir / f".{TRACE_FILE}.tmp.json", entry_dir / f".{TRACE_FILE}.tmp.gz"]
-    for fifo in fifos:
-        os.mkfifo(fifo)
-    return fifos
 
 
 def test_replica_killed_mid_export_leaves_a_partial_manifest(faults, http, fleet, dead):
@@ -188,49 +173,51 @@ def test_replica_killed_mid_export_leaves_a_partial_manifest(faults, http, fleet
     run_step(http, faults, step + 1)
 
 
-# -- the ingress restarted mid-step ------------------------------------------------------------
+# -- the controller or the ingress restarted mid-step ---------------------------------------
 
 
-def ingress_actor(app_name: str) -> str | None:
-    """Name of the app's live ingress replica actor (Serve names it after app and deployment)."""
+def control_actor(app_name: str, deployment: str) -> str | None:
+    """Name of the app's live replica actor of `deployment` (Serve names it after app and
+    deployment), one of RolloutController and RolloutIngress (one replica each here)."""
     import ray
 
-    prefix = f"SERVE_REPLICA::{app_name}#RolloutIngress#"
+    prefix = f"SERVE_REPLICA::{app_name}#{deployment}#"
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
     assert len(names) <= 1, names
     return names[0] if names else None
 
 
-def restart_ingress(http: httpx.Client, app_name: str) -> float:
-    """Kill the app's ingress replica (no graceful shutdown: a crash), wait until Serve has
-    started another and it answers; returns when (time.time()) it answered."""
+def restart(http: httpx.Client, app_name: str, deployment: str) -> float:
+    """Kill the app's replica of `deployment` (no graceful shutdown: a crash), wait until Serve
+    has started another and the app answers a control call; returns when (time.time())."""
     import ray
 
-    old = ingress_actor(app_name)
+    old = control_actor(app_name, deployment)
     assert old is not None
     ray.kill(ray.get_actor(old, namespace="serve"), no_restart=True)
 
     def back() -> bool:
-        name = ingress_actor(app_name)
+        name = control_actor(app_name, deployment)
         if name is None or name == old:
             return False
         try:
-            return http.get("/health").status_code == 200
+            return http.get("/profile/status").status_code == 200
         except httpx.HTTPError:
             return False
 
-    poll(back, timeout=RESTART_TIMEOUT_S, what="Serve to restart the ingress", interval=0.5)
+    poll(back, timeout=RESTART_TIMEOUT_S, what=f"Serve to restart the {deployment}", interval=0.5)
     return time.time()
 
 
-def test_ingress_restarted_mid_step_recovers_the_step(faults, http, fleet):
-    step = 21
+@pytest.mark.parametrize("deployment", ["RolloutController", "RolloutIngress"])
+def test_control_replica_restarted_mid_step_recovers_the_step(faults, http, fleet, deployment):
+    step = 21 if deployment == "RolloutController" else 23
     try:
         ok(http.post("/profile/start", json={"step": step}))
         generate_until_all_recorded(http, REPLICAS)
-        restart_ingress(http, faults.name)
+        restart(http, faults.name, deployment)
 
-        st = status(http)  # recovered from the desired-state actor, not from the dead process
+        st = status(http)  # the controller's durable record, not the dead process's memory
         assert st["state"] == "profiling" and st["active_step"] == step and st["steps"] == [step], st
         assert len(st["replicas"]) == REPLICAS
         assert all(r["ok"] and r["active_step"] == step and r["state"] == "profiling" for r in st["replicas"]), st
@@ -254,13 +241,13 @@ def test_ingress_restarted_mid_step_recovers_the_step(faults, http, fleet):
     assert http.get(f"/profile/steps/{step + 1}").status_code == 404  # the refused start left nothing
 
 
-def test_watchdog_survives_an_ingress_restart(faults, http, fleet):
+def test_watchdog_survives_a_controller_restart(faults, http, fleet):
     """Nobody calls stop: the restarted controller still ends the step at max_duration_s,
     counted from the step's start, not from the restart."""
     step, limit = 22, 6.0
     try:
         ok(http.post("/profile/start", json={"step": step, "max_duration_s": limit}))
-        back_at = restart_ingress(http, faults.name)
+        back_at = restart(http, faults.name, "RolloutController")
         poll(lambda: status(http)["state"] == "idle", timeout=limit + 30, what="the watchdog to stop the step")
     finally:
         stop_if_active(http)

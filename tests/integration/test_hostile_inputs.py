@@ -11,14 +11,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from conftest import ServeApp, deployed
 from integ_util import client, complete, ok, poll, status, write_perturbed_weights
+from support.apps import ServeApp, deployed
 
 HOLD_S = 3.0
 MAX_BODY = 128 * 1024
 MAX_PROMPT_CHARS = 20_000
 MAX_PROMPTS = 8
-KEEP_STEPS = 3
+KEEP_STEPS = 5  # the least the default max_exporting_steps (4) allows
 
 
 @pytest.fixture(scope="module")
@@ -42,12 +42,6 @@ def app(ray_cluster, model_dir, tmp_path_factory) -> Iterator[ServeApp]:
     ) as served:
         shutil.copyfile(model_dir / "model.safetensors", served.weights_dir / "base.safetensors")
         yield served
-
-
-@pytest.fixture(scope="module")
-def http(app) -> Iterator[httpx.Client]:
-    with client(app.base_url) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import httpx
 import pytest
 from integ_util import (
-    client,
     generate_until_all_recorded,
     ok,
     poll,
@@ -21,12 +20,6 @@ pytestmark = pytest.mark.integration
 
 REPLICAS = 2
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
-
-
-@pytest.fixture(scope="module")
-def http(app):
-    with client(app.base_url) as c:
-        yield c
 
 
 def scrape(http: httpx.Client) -> Samples:
@@ -83,7 +76,7 @@ def test_metrics_follow_a_profiled_weight_sync(app, http, model_dir):
         ok(http.post("/profile/start", json={"step": k}))
         generate_until_all_recorded(http, REPLICAS)
         during = scrape(http)
-        assert states(during) == {rid: "profiling" for rid in ids}, during
+        assert states(during) == dict.fromkeys(ids, "profiling"), during
         assert value(during, "rollout_profiler_active_step") == k
 
         # A control call answered with an error status is counted by call and status.
@@ -97,7 +90,7 @@ def test_metrics_follow_a_profiled_weight_sync(app, http, model_dir):
         ok(http.post("/profile/stop", json={"step": k, "pause": True}))
         ok(http.post("/weights/update", json={"version": version, "path": weights.name, "resume": False}))
         updated = scrape(http)
-        assert versions(updated) == {rid: version for rid in ids}, updated
+        assert versions(updated) == dict.fromkeys(ids, version), updated
         assert value(updated, "rollout_profiler_active_step") == 0
         ok(http.post("/profile/start", json={"step": k + 1}))
         generate_until_all_recorded(http, REPLICAS)
@@ -109,7 +102,7 @@ def test_metrics_follow_a_profiled_weight_sync(app, http, model_dir):
     after = scrape(http)
     assert value(after, "rollout_profiler_active_step") == 0
     assert "profiling" not in states(after).values()
-    assert versions(after) == {rid: version for rid in ids}
+    assert versions(after) == dict.fromkeys(ids, version)
     assert value(after, stops) == value(before, stops) + 2
     acks = "rollout_profiler_stop_ack_seconds_count"
     assert value(after, acks) == value(before, acks) + 2 * REPLICAS

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from integ_util import client, ok, poll, status, write_perturbed_weights
+from integ_util import ok, poll, status, write_perturbed_weights
 from openai_contract import (  # noqa: F401 - collected here, on the embedded engine
     dump,
     spans_cover,
@@ -39,12 +39,6 @@ LONG = 400  # output tokens of a completion long enough to straddle a weight syn
 @pytest.fixture(scope="module")
 def oai(app) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{app.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def http(app):
-    with client(app.base_url) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")

@@ -20,12 +20,12 @@ from collections.abc import Iterator
 import pytest
 import requests
 import schemathesis
-from conftest import ServeApp, deployed
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from integ_util import client, ok, status
+from integ_util import HttpOptions, client, ok, status
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
+from support.apps import ServeApp, deployed
 
 pytestmark = pytest.mark.integration
 
@@ -74,10 +74,8 @@ def schema(fuzz_app):
     return schemathesis.openapi.from_url(f"{fuzz_app.base_url}/openapi.json", timeout=30)
 
 
-@pytest.fixture(scope="module")
-def http(fuzz_app):
-    with client(fuzz_app.base_url, token=TOKEN) as c:
-        yield c
+HTTP = HttpOptions(app="fuzz_app", token=TOKEN)
+"""How `http` (conftest.py) reaches this module's app."""
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,7 @@ from pathlib import Path
 
 import pytest
 from integ_util import (
-    MARKER,
     check_entry_traces,
-    client,
     complete,
     complete_concurrently,
     generate_until_all_recorded,
@@ -27,15 +25,11 @@ from integ_util import (
     write_perturbed_weights,
 )
 
+from profiling.markers import format_weight_update, parse_forward_step
+
 pytestmark = pytest.mark.integration
 
 REPLICAS = 2
-
-
-@pytest.fixture(scope="module")
-def http(app):
-    with client(app.base_url) as c:
-        yield c
 
 
 def test_profile_cycle_writes_complete_manifest_and_traces(app, http):
@@ -188,12 +182,10 @@ def test_continuous_window_marks_the_weight_update(app, http, model_dir):
         # Every pass with version 2 so far ran inside this window, so each one is in the trace.
         assert marker_versions.count(version) == v2_passes[e["replica_id"]], (v2_passes, e)
         events = trace_events(step_dir, e)
-        updates = [ev for ev in events if ev.get("name") == f"weight_update version={version}" and ev.get("ph") == "X"]
+        updates = [ev for ev in events if ev.get("name") == format_weight_update(version) and ev.get("ph") == "X"]
         assert len(updates) == 1, f"{e['replica_id']}: {len(updates)} weight_update ranges"
         forward = {
-            int(MARKER.match(ev["name"]).group(1)): ev
-            for ev in events
-            if ev.get("ph") == "X" and MARKER.match(str(ev.get("name", "")))
+            m.index: ev for ev in events if ev.get("ph") == "X" and (m := parse_forward_step(str(ev.get("name", ""))))
         }
         update_ts = updates[0]["ts"]
         for i, _, v in markers:

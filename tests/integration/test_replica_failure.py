@@ -12,10 +12,9 @@ from __future__ import annotations
 import time
 
 import pytest
-from conftest import deployed
 from integ_util import (
+    HttpOptions,
     check_entry_traces,
-    client,
     complete,
     complete_concurrently,
     generate_until_all_recorded,
@@ -27,6 +26,7 @@ from integ_util import (
     wait_manifest,
     write_perturbed_weights,
 )
+from support.apps import deployed
 
 pytestmark = pytest.mark.integration
 
@@ -41,13 +41,8 @@ def failing(ray_cluster, model_dir, tmp_path_factory):
         yield served
 
 
-@pytest.fixture(scope="module")
-def http(failing):
-    with client(failing.base_url, timeout=30.0) as c:
-        try:
-            yield c
-        finally:
-            stop_if_active(c)
+HTTP = HttpOptions(app="failing", timeout=30.0, stop_at_end=True)
+"""How `http` (conftest.py) reaches this module's app."""
 
 
 @pytest.fixture(scope="module")

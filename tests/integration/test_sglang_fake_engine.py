@@ -14,14 +14,12 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from conftest import deploy
 from integ_util import (
-    client,
+    HttpOptions,
     complete,
     complete_concurrently,
     ok,
     poll,
-    read_trace,
     status,
     stop_if_active,
     wait_manifest,
@@ -29,8 +27,10 @@ from integ_util import (
 )
 from ray import serve
 from safetensors.torch import save_file
+from support.apps import deploy
+from support.traces import trace_events
 
-from profiling.step_ranges import sglang_trace_version
+from serve_app.engines.sglang.trace_dialect import SGLANG_DIALECT
 
 pytestmark = pytest.mark.integration
 
@@ -79,14 +79,8 @@ def app(ray_cluster, model_dir, tmp_path_factory):
             serve.delete(served.name)
 
 
-@pytest.fixture(scope="module")
-def http(app):
-    with client(app.base_url) as c:
-        try:
-            yield c
-        finally:
-            if app.name not in _deleted:
-                stop_if_active(c)
+HTTP = HttpOptions(stop_at_end=lambda app: app.name not in _deleted)
+"""How `http` (conftest.py) reaches this module's app."""
 
 
 def spans(version: int, tokens: int) -> dict:
@@ -110,8 +104,8 @@ def check_step_traces(app, http, step: int, version: int, replica_ids: set[str])
         rel = Path(e["files"][0])
         assert rel.parent == Path("rollout") / e["replica_id"], rel
         assert rel.name.startswith(f"step{step}-v{version}-") and rel.name.endswith("-TP-0.trace.json.gz"), rel
-        assert sglang_trace_version(rel.name) == version, rel
-        events = read_trace(step_dir / rel)["traceEvents"]
+        assert SGLANG_DIALECT.file_version_of(rel.name) == version, rel
+        events = trace_events(step_dir / rel)
         forwards = [ev for ev in events if ev.get("cat") == "user_annotation" and ev["name"].startswith("step[")]
         assert len(forwards) == e["forward_steps"] > 0, e
     return entries

@@ -32,7 +32,7 @@ async def test_soak_100_cycles_loses_nothing_and_does_not_grow(app, model_dir):
     assert report.incomplete_manifests == []
     assert report.updates == 10
     warm, end = report.warm, report.end
-    assert warm.processes == end.processes == 3  # 2 rollout replicas + the ingress
+    assert warm.processes == end.processes == 4  # 2 rollout replicas, the ingress, the controller
     # After warm-up, descriptors and threads stay put.
     assert end.fds <= warm.fds + 30, report.samples
     assert end.threads <= warm.threads + 20, report.samples

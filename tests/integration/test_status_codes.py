@@ -10,19 +10,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from conftest import deployed
-from integ_util import client, complete, generate_until_all_recorded, ok, status, stop_if_active
+from integ_util import HttpOptions, client, complete, generate_until_all_recorded, ok, status, stop_if_active
+from support.apps import deployed
 
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(scope="module")
-def http(app):
-    with client(app.base_url) as c:
-        try:
-            yield c
-        finally:
-            stop_if_active(c)
+HTTP = HttpOptions(stop_at_end=True)
+"""How `http` (conftest.py) reaches this module's app."""
 
 
 @pytest.fixture(scope="module")

@@ -8,10 +8,11 @@ from __future__ import annotations
 import gzip
 
 import pytest
-from conftest import deployed
 from integ_util import client, complete_concurrently, ok, stop_if_active, wait_manifest
+from support.apps import deployed
 
-from profiling.step_ranges import FORWARD_STEP, count_engine_steps
+from profiling.markers import FORWARD_STEP
+from profiling.step_ranges import count_engine_steps
 from profiling.trace_budget import MIB
 
 pytestmark = pytest.mark.integration

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import deployed
 from integ_util import status, wait_manifest
+from support.apps import deployed
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 

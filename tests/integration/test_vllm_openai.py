@@ -15,8 +15,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from conftest import deployed
-from integ_util import VLLM_ENV, client, ok, poll, status, stop_if_active, write_perturbed_weights
+from integ_util import VLLM_ENV, HttpOptions, ok, poll, status, stop_if_active, write_perturbed_weights
 from openai_contract import (  # noqa: F401 - collected here, on vLLM
     spans_cover,
     test_chat_with_the_template,
@@ -31,6 +30,7 @@ from openai_contract import (  # noqa: F401 - collected here, on vLLM
     test_stop_token_ids_ignore_eos_and_min_tokens,
     test_streaming_matches_the_full_answer_and_reports_usage,
 )
+from support.apps import deployed
 from transformers import AutoTokenizer
 
 pytestmark = pytest.mark.integration
@@ -63,10 +63,8 @@ def oai(vllm_app) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{vllm_app.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-@pytest.fixture(scope="module")
-def http(vllm_app):
-    with client(vllm_app.base_url, timeout=120.0) as c:
-        yield c
+HTTP = HttpOptions(app="vllm_app", timeout=120.0)
+"""How `http` (conftest.py) reaches this module's app."""
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,8 @@ from .helpers import RAY_STARTUP_TIMEOUT, REPO_ROOT
 
 @contextmanager
 def _deployer(ray_cluster: int, model_dir: Path, base: Path) -> Iterator[Callable[..., object]]:
-    from conftest import deploy
     from ray import serve
+    from support.apps import deploy
 
     apps = []
 
@@ -35,7 +35,7 @@ def _deployer(ray_cluster: int, model_dir: Path, base: Path) -> Iterator[Callabl
 
 @pytest.fixture
 def deployed(ray_cluster, model_dir, tmp_path) -> Iterator[Callable[..., object]]:
-    """Deploy an app under /<name> on the shared cluster (conftest.deploy); deleted after the test."""
+    """Deploy an app under /<name> on the shared cluster (support/apps.py's deploy); deleted after the test."""
     with _deployer(ray_cluster, model_dir, tmp_path) as deploy:
         yield deploy
 

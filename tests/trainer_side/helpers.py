@@ -6,17 +6,16 @@ Imported relatively (`from .helpers import ...`) by the modules of this package.
 from __future__ import annotations
 
 import asyncio
-import gzip
 import json
-import re
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
+from support.traces import read_trace
 
-MARKER = re.compile(r"^forward_step#(\d+) step=(\d+) weight_version=(\d+)$")
-WEIGHT_UPDATE = re.compile(r"^weight_update version=(\d+)$")
+from profiling.markers import parse_forward_step, parse_weight_update
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RAY_STARTUP_TIMEOUT = "timed out during startup"
 """Ray's raylet has a fixed 30 s startup deadline that an overloaded 2-core box can miss: an
@@ -83,11 +82,6 @@ def wait_manifest(save_path: Path, step: int, statuses: tuple[str, ...] = ("comp
         time.sleep(0.25)
 
 
-def read_trace(path: Path) -> dict:
-    with gzip.open(path, "rt") as f:
-        return json.load(f)
-
-
 def range_names(trace: dict) -> list[str]:
     """Names of the complete ('X') events of a Chrome trace: record_function ranges among them."""
     return [str(ev.get("name", "")) for ev in trace.get("traceEvents", []) if ev.get("ph") == "X"]
@@ -95,11 +89,11 @@ def range_names(trace: dict) -> list[str]:
 
 def forward_markers(trace: dict) -> list[tuple[int, int, int]]:
     """(index, step, weight_version) of every forward_step range."""
-    return [tuple(int(g) for g in m.groups()) for n in range_names(trace) if (m := MARKER.match(n))]
+    return [(m.index, m.step, m.weight_version) for n in range_names(trace) if (m := parse_forward_step(n))]
 
 
 def weight_update_versions(trace: dict) -> list[int]:
-    return [int(m.group(1)) for n in range_names(trace) if (m := WEIGHT_UPDATE.match(n))]
+    return [v for n in range_names(trace) if (v := parse_weight_update(n)) is not None]
 
 
 def entry_traces(step_dir: Path, entry: dict) -> list[dict]:

@@ -29,7 +29,9 @@ from .helpers import REPO_ROOT
 
 PAGE = REPO_ROOT / "docs" / "quickstart.md"
 README = REPO_ROOT / "README.md"
-_BLOCK = re.compile(r"(?:<!-- quickstart: (?P<kind>run|background) (?P<name>[\w-]+) -->\n)?```bash\n(?P<body>.*?)\n```", re.S)
+_BLOCK = re.compile(
+    r"(?:<!-- quickstart: (?P<kind>run|background) (?P<name>[\w-]+) -->\n)?```bash\n(?P<body>.*?)\n```", re.S
+)
 VENV = REPO_ROOT / ".venv"
 """The virtual environment README.md's commands make and activate (the main-job block among them)."""
 MAIN_JOB_TIMEOUT_S = 1500.0

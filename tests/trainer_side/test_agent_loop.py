@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -99,7 +100,13 @@ def share_of_k(ids: list[int]) -> float:
 
 
 def agent(app: FakeChatApp, **kw: Any) -> AgentLoop:
-    args: dict[str, Any] = dict(turns=3, max_tokens=6, temperature=1.0, reward=share_of_k, tasks=["Red green blue"])
+    args: dict[str, Any] = {
+        "turns": 3,
+        "max_tokens": 6,
+        "temperature": 1.0,
+        "reward": share_of_k,
+        "tasks": ["Red green blue"],
+    }
     args.update(kw)
     return AgentLoop(app, **args)
 
@@ -248,9 +255,9 @@ def test_config_selects_the_mode_and_validates_the_agent_keys(tmp_path):
         None, ["rollout.mode=agent_loop", "rollout.agent_turns=2", f"rollout.agent_episodes_path={tmp_path}/e.jsonl"]
     )
     assert (cfg.rollout.mode, cfg.rollout.agent_turns) == ("agent_loop", 2)
-    with pytest.raises(ConfigError, match="rollout.mode"):
+    with pytest.raises(ConfigError, match=re.escape("rollout.mode")):
         load_config(None, ["rollout.mode=agents"])
-    with pytest.raises(ConfigError, match="rollout.agent_turns"):
+    with pytest.raises(ConfigError, match=re.escape("rollout.agent_turns")):
         load_config(None, ["rollout.mode=agent_loop", "rollout.agent_turns=0"])
     with pytest.raises(ConfigError, match="episodes are only recorded with mode agent_loop"):
         load_config(None, [f"rollout.agent_episodes_path={tmp_path}/e.jsonl"])

@@ -5,7 +5,6 @@ the call order of trainer.profiled_sync.ProfiledWeightSync with a recording fake
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import time
 from collections import Counter
@@ -22,18 +21,12 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from profiling.manifest import SyncCost
 from profiling.schedule import StepSchedule
 from serve_app.api import StatusResponse, UpdateWeightsResponse
+from serve_app.net import free_port
 from trainer.client import RolloutClient, RolloutError, SyncRolloutClient
 from trainer.config import ConfigError, load_config
-from trainer.profiled_sync import ProfiledWeightSync
+from trainer.profiled_sync import ExternalPublisher, InClusterPublisher, ProfiledWeightSync
 
 from .helpers import REPO_ROOT
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 STATUS_BODY = {
     "state": "idle",
@@ -41,6 +34,7 @@ STATUS_BODY = {
     "weight_version": 0,
     "paused": False,
     "replicas": [{"replica_id": "r1", "forward_steps_by_version": {"0": 3}}],
+    "control_timeout_s": 30.0,
 }
 UPDATE_BODY = {"version": 1, "replicas": [{"replica_id": "r1", "weight_version": 1, "load_s": 0.01}], "load_s": 0.01}
 CONFLICT_BODY = {
@@ -59,6 +53,8 @@ class FakeRolloutApp:
 
     def __init__(self) -> None:
         self.script: dict[tuple[str, str], list[tuple[int, Any]]] = {}
+        self.delay_s: dict[tuple[str, str], float] = {}
+        """How long a (method, path) takes to answer."""
         self.attempts: Counter[tuple[str, str]] = Counter()
         self.requests: list[dict[str, Any]] = []
         self.app = FastAPI()
@@ -71,6 +67,7 @@ class FakeRolloutApp:
             self.requests.append(
                 {"key": key, "headers": dict(request.headers), "json": (await request.json()) if raw else None}
             )
+            await asyncio.sleep(self.delay_s.get(key, 0.0))
             answers = self.script.get(key)
             if not answers:
                 return JSONResponse({"detail": f"fake: nothing scripted for {key}"}, status_code=404)
@@ -81,6 +78,7 @@ class FakeRolloutApp:
 
     def reset(self) -> None:
         self.script.clear()
+        self.delay_s.clear()
         self.attempts.clear()
         self.requests.clear()
 
@@ -88,7 +86,7 @@ class FakeRolloutApp:
 @pytest.fixture(scope="module")
 def fake_server() -> Any:
     fake = FakeRolloutApp()
-    port = _free_port()
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(fake.app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -111,13 +109,45 @@ def fake(fake_server: FakeRolloutApp) -> FakeRolloutApp:
 
 
 def make_client(base_url: str, **kw: Any) -> RolloutClient:
-    return RolloutClient(base_url, **{"retries": 2, "retry_backoff_s": 0.01, **kw})
+    """A client with a fixed wait for control calls (the wait sized from the app is tested on its own)."""
+    return RolloutClient(base_url, **{"retries": 2, "retry_backoff_s": 0.01, "control_wait_s": 30.0, **kw})
 
 
 # -- trainer/client.py ---------------------------------------------------------------------------
 
 BACKLOG_BODY = {"detail": "export backlog full: the traces of steps 1, 2 are still being written"}
 START_BODY = {"step": 3, "steps": [3], "state": "profiling", "replicas": []}
+
+
+async def test_a_control_call_waits_its_bound_on_the_app_not_the_read_timeout(fake):
+    """The app's control_timeout_s (from /profile/status) sizes each control call's wait: a stop
+    answered after longer than the client's read timeout is waited for, not given up and
+    repeated; a collective update waits a control timeout per bucket."""
+    from serve_app.api import CollectiveTransfer, TensorMeta, UpdateWeightsRequest, control_bound_s
+
+    fake.script[("GET", "/profile/status")] = [(200, {**STATUS_BODY, "control_timeout_s": 2.0})]
+    fake.script[("POST", "/profile/stop")] = [(200, {"step": 1, "stopped": True})]
+    fake.delay_s[("POST", "/profile/stop")] = 1.0
+    async with RolloutClient(fake.base_url, timeout_s=0.5, retries=0) as client:
+        assert (await client.stop_profile(1)).stopped
+        tensors = [TensorMeta(name=f"w{i}", dtype="float32", shape=[1 << 10]) for i in range(10)]
+        transfer = CollectiveTransfer(
+            address="127.0.0.1", port=1, group="g", secret="ab" * 16, bucket_bytes=1 << 12, tensors=tensors
+        )
+        body = UpdateWeightsRequest(version=1, source="collective", collective=transfer)
+        wait = await client._control_wait("collective", body)
+    assert fake.attempts[("POST", "/profile/stop")] == 1, "the stop was repeated: the wait was the read timeout"
+    assert wait == control_bound_s("collective", 2.0, transfer) + 10.0 and wait > 10 * 2.0
+    assert fake.attempts[("GET", "/profile/status")] == 1, "the app's control timeout is read once"
+
+
+async def test_without_the_app_s_status_a_control_call_waits_the_read_timeout(fake):
+    fake.script[("POST", "/profile/stop")] = [(200, {"step": 1, "stopped": True})]
+    fake.delay_s[("POST", "/profile/stop")] = 1.0
+    async with RolloutClient(fake.base_url, timeout_s=0.3, retries=0) as client:
+        with pytest.raises(RolloutError) as info:
+            await client.stop_profile(1)
+    assert info.value.status == 0 and "ReadTimeout" in info.value.detail
 
 
 async def test_429_export_backlog_is_waited_out_following_retry_after(fake):
@@ -216,7 +246,7 @@ async def test_connection_refused_raises_status_0_after_retries(monkeypatch):
         return await real_request(self, method, url, *a, **kw)
 
     monkeypatch.setattr(httpx.AsyncClient, "request", counting_request)
-    port = _free_port()  # nothing listens there
+    port = free_port()  # nothing listens there
     async with make_client(f"http://127.0.0.1:{port}") as client:
         with pytest.raises(RolloutError) as info:
             await client.status()
@@ -242,7 +272,7 @@ def test_sync_client_works_from_plain_sync_code(fake):
     fake.script[("GET", "/profile/status")] = [(200, STATUS_BODY)]
     fake.script[("POST", "/weights/update")] = [(200, UPDATE_BODY)]
     fake.script[("POST", "/profile/start")] = [(409, CONFLICT_BODY)]
-    with SyncRolloutClient(fake.base_url, control_token="tok", retry_backoff_s=0.01) as client:
+    with SyncRolloutClient(fake.base_url, control_token="tok", retry_backoff_s=0.01, control_wait_s=30.0) as client:
         first = client.status()
         second = client.status()  # the private loop and the connection pool are reused
         assert isinstance(first, StatusResponse) and first == second
@@ -427,14 +457,12 @@ def test_end_swallows_a_failing_stop_and_keeps_the_original_error():
 
 
 def test_unprofiled_run_makes_no_profiling_call():
-    client, phases = _record_syncs(StepSchedule(None), range(1, 4))
+    client, _ = _record_syncs(StepSchedule(None), range(1, 4))
     assert client.calls == [("update", 1, True), ("update", 2, True), ("update", 3, True)]
 
 
 class FakeInCluster:
     """Records what an InClusterWeights would publish through the object store."""
-
-    mode = "object_store"
 
     def __init__(self, client: FakeClient) -> None:
         self.client = client
@@ -452,7 +480,8 @@ def test_a_state_dict_goes_through_the_transport_in_the_same_order():
         return state
 
     async def go() -> SyncCost:
-        sync = ProfiledWeightSync(StepSchedule([1, 2]), client, save_path=None, transport=FakeInCluster(client))
+        publisher = InClusterPublisher(FakeInCluster(client))  # type: ignore[arg-type]
+        sync = ProfiledWeightSync(StepSchedule([1, 2]), client, save_path=None, publisher=publisher)
         try:
             async with sync:
                 return (await sync.sync(1, publish)).cost
@@ -505,7 +534,7 @@ def test_bring_your_own_update_runs_between_the_stop_and_the_app_learning_the_ve
         client.calls.append(("own transfer", version))
 
     async def go() -> SyncCost:
-        sync = ProfiledWeightSync(StepSchedule([1, 2]), client, save_path=None, update=update)
+        sync = ProfiledWeightSync(StepSchedule([1, 2]), client, save_path=None, publisher=ExternalPublisher(update))
         try:
             async with sync:
                 return (await sync.sync(1)).cost

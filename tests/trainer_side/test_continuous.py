@@ -25,7 +25,9 @@ pytestmark = pytest.mark.integration
 
 def test_continuous_window_spans_the_update_and_records_everything(deployed, model_dir):
     app = deployed(
-        "continuous", profiler={"max_forward_steps": None, "max_duration_s": 300}, start_limits={"max_forward_steps": None}
+        "continuous",
+        profiler={"max_forward_steps": None, "max_duration_s": 300},
+        start_limits={"max_forward_steps": None},
     )
     cfg = training_config(
         app,

@@ -14,8 +14,11 @@ from pathlib import Path
 import pytest
 import yaml
 from analysis.browser import assert_report_rendered, screenshot
+from support.traces import read_trace
 
-from .helpers import MARKER, RAY_STARTUP_TIMEOUT, REPO_ROOT, by_role, entry_markers, read_manifest, read_trace
+from profiling.markers import parse_forward_step
+
+from .helpers import RAY_STARTUP_TIMEOUT, REPO_ROOT, by_role, entry_markers, read_manifest
 from .quickstart import MAIN_JOB_TIMEOUT_S
 
 CLI_TIMEOUT_S = 600
@@ -50,7 +53,9 @@ def run_cli(tmp: Path, *overrides: str, config: str = "config/trainer.yaml", ret
         proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=CLI_TIMEOUT_S)
     except subprocess.TimeoutExpired as e:
         out, err = (x.decode(errors="replace") if isinstance(x, bytes) else (x or "") for x in (e.stdout, e.stderr))
-        pytest.fail(f"CLI ran past {CLI_TIMEOUT_S}s\n--- stdout tail ---\n{out[-6000:]}\n--- stderr tail ---\n{err[-3000:]}")
+        pytest.fail(
+            f"CLI ran past {CLI_TIMEOUT_S}s\n--- stdout tail ---\n{out[-6000:]}\n--- stderr tail ---\n{err[-3000:]}"
+        )
     run = CliRun(proc.returncode, proc.stdout, proc.stderr, profile)
     if run.returncode != 0 and RAY_STARTUP_TIMEOUT in proc.stderr and not retried:
         return run_cli(tmp / "retry", *overrides, config=config, retried=True)
@@ -123,7 +128,7 @@ def test_main_job_merges_the_step_from_every_process(main_job, k):
     unnamed = {e["pid"] for e in events if e.get("ph") != "M"} - set(names)
     assert not unnamed, f"events of unnamed processes {unnamed}"
     groups = ["trainer rank 0"] + [f"rollout {e['replica_id']} (" for e in by_role(m, "rollout")]
-    forward_in = {names[e["pid"]] for e in events if MARKER.match(str(e.get("name", "")))}
+    forward_in = {names[e["pid"]] for e in events if parse_forward_step(str(e.get("name", "")))}
     for group in groups:
         assert any(n.startswith(group) for n in forward_in), f"step {k}: no forward step from {group!r}: {forward_in}"
     rollout_names = [n for n in names.values() if n.startswith("rollout ")]

@@ -13,11 +13,13 @@ import sys
 import time
 
 import pytest
+from support.traces import read_trace
 
+from profiling.markers import parse_forward_step
 from profiling.schedule import StepSchedule
-from trainer.profiled_sync import ProfiledWeightSync
+from trainer.profiled_sync import ProfiledWeightSync, RankRole
 
-from .helpers import MARKER, REPO_ROOT, read_manifest, read_trace, wait_manifest
+from .helpers import REPO_ROOT, read_manifest, wait_manifest
 from .test_main_job import run_cli
 
 FSDP_CONFIG = "config/trainer.fsdp.yaml"
@@ -51,7 +53,7 @@ def test_two_fsdp_ranks_record_steps_1_2_5_and_verify(fsdp_job):
             for e in trace["traceEvents"]
             if e.get("ph") == "M" and e["name"] == "process_name"
         }
-        forward_in = {names[e["pid"]] for e in trace["traceEvents"] if MARKER.match(str(e.get("name", "")))}
+        forward_in = {names[e["pid"]] for e in trace["traceEvents"] if parse_forward_step(str(e.get("name", "")))}
         for rank in (0, 1):
             assert any(n.startswith(f"trainer rank {rank}") for n in forward_in), forward_in
     verify = subprocess.run(
@@ -124,10 +126,9 @@ def test_a_non_driving_rank_profiles_from_the_schedule_alone(tmp_path):
     async def go() -> None:
         sync = ProfiledWeightSync(
             StepSchedule([1, 2]),
-            AppUnreachable(),
+            AppUnreachable(),  # type: ignore[arg-type]
             save_path=str(tmp_path),
-            rank=1,
-            drives=False,  # type: ignore[arg-type]
+            role=RankRole(rank=1, drives=False),
         )
         try:
             async with sync:
@@ -159,7 +160,7 @@ def test_a_publish_result_is_checked_only_where_it_is_used(tmp_path):
         calls.append(1)
 
     async def go() -> None:
-        sync = ProfiledWeightSync(StepSchedule(None), None, save_path=None, rank=1, drives=False)
+        sync = ProfiledWeightSync(StepSchedule(None), None, save_path=None, role=RankRole(rank=1, drives=False))
         try:
             await sync.sync(1, publish)
         finally:

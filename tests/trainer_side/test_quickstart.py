@@ -48,7 +48,8 @@ def test_main_job_prints_and_writes_what_the_page_says(quickstart_main_job):
         rollout, trainer = by_role(m, "rollout"), by_role(m, "trainer")
         assert len(rollout) == 2 and [e["rank"] for e in trainer] == [0], m["entries"]
         for e in rollout:
-            assert e["weight_version"] == k - 1 and e["files"] == [f"rollout/{e['replica_id']}/trace.pt.trace.json.gz"], e
+            trace = f"rollout/{e['replica_id']}/trace.pt.trace.json.gz"
+            assert e["weight_version"] == k - 1 and e["files"] == [trace], e
             assert (step / "rollout" / e["replica_id"] / "entry.record").is_file()
         assert trainer[0]["files"] == ["trainer/rank_0/trace.pt.trace.json.gz"], trainer[0]
         assert (step / "trainer" / "rank_0" / "entry.record").is_file()

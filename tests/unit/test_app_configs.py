@@ -46,10 +46,19 @@ def test_vllm_options_reject_unknown_keys():
     [
         ({"engine": "vllm", "profiler": {"tool": "npu"}}, ["'args.profiler'", "tool 'npu'", "engine 'vllm'"]),
         ({"engine": "sglang", "profiler": {"with_memory": True}}, ["'args.profiler'", "with_memory"]),
-        ({"engine": "sglang", "num_replicas": 2, "sglang": {"url": "http://127.0.0.1:9"}}, ["'args.sglang'", "num_replicas"]),
+        (
+            {"engine": "sglang", "num_replicas": 2, "sglang": {"url": "http://127.0.0.1:9"}},
+            ["'args.sglang'", "num_replicas"],
+        ),
         ({"engine": "transformers", "vllm": {"dtype": "float32"}}, ["'args.vllm'", "engine: vllm"]),
-        ({"engine": "vllm", "tiny_model": {"hidden_size": 64, "num_attention_heads": 4}}, ["'args.tiny_model'", "head_dim"]),
-        ({"tiny_model": {"hidden_size": 100, "num_attention_heads": 3}}, ["'args.tiny_model'", "multiple of num_attention_heads"]),
+        (
+            {"engine": "vllm", "tiny_model": {"hidden_size": 64, "num_attention_heads": 4}},
+            ["'args.tiny_model'", "head_dim"],
+        ),
+        (
+            {"tiny_model": {"hidden_size": 100, "num_attention_heads": 3}},
+            ["'args.tiny_model'", "multiple of num_attention_heads"],
+        ),
     ],
 )
 def test_each_cross_field_rule_is_refused_naming_its_keys(args, keys):
@@ -61,6 +70,9 @@ def test_each_cross_field_rule_is_refused_naming_its_keys(args, keys):
 
 
 def test_the_engines_own_settings_and_a_recordable_profiler_are_accepted():
-    assert parse_args({"engine": "vllm", "profiler": {"tool": "nsys"}, "vllm": {"dtype": "float32"}}).vllm.dtype == "float32"
+    assert (
+        parse_args({"engine": "vllm", "profiler": {"tool": "nsys"}, "vllm": {"dtype": "float32"}}).vllm.dtype
+        == "float32"
+    )
     assert parse_args({"engine": "sglang", "num_replicas": 1, "sglang": {"url": "http://127.0.0.1:9"}}).sglang.url
     assert parse_args({"profiler": {"tool": "npu"}}).engine == "transformers"

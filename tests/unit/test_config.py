@@ -156,6 +156,23 @@ def test_nccl_needs_collective_transfer_and_gpus():
 def test_collective_transfer_is_refused_for_sglang_naming_the_alternatives():
     from serve_app.config import AppArgs
 
-    with pytest.raises(ValidationError, match="not supported with engine sglang.*source external"):
+    with pytest.raises(ValidationError, match=r"not supported with engine sglang.*source external"):
         AppArgs(engine="sglang", weight_transfer="collective")
     assert AppArgs(engine="sglang").weight_transfer == "file"
+
+
+# -- retention -----------------------------------------------------------------------------
+@pytest.mark.parametrize("max_exporting_steps", [1, 4])
+def test_keep_steps_must_leave_room_for_the_export_backlog_and_the_started_step(max_exporting_steps):
+    from serve_app.config import AppArgs
+
+    least = max_exporting_steps + 1
+    with pytest.raises(ValidationError) as refused:
+        AppArgs(keep_steps=least - 1, max_exporting_steps=max_exporting_steps)
+    message = str(refused.value)
+    assert f"keep_steps={least - 1} leaves no room for the steps still being written at a start" in message
+    assert f"max_exporting_steps={max_exporting_steps} stopped steps may still be exporting" in message
+    assert f"keep_steps must be at least {least}: raise keep_steps to {least} or more" in message
+    assert "lower max_exporting_steps, or set keep_steps: null" in message
+    assert AppArgs(keep_steps=least, max_exporting_steps=max_exporting_steps).keep_steps == least
+    assert AppArgs(max_exporting_steps=max_exporting_steps).keep_steps is None

@@ -11,7 +11,7 @@ from pydantic import BaseModel, Field
 
 from profiling.config import StrictModel
 from serve_app.config import AppArgs
-from serve_app.engines.options import ENGINE_OPTIONS
+from serve_app.engines.registry import ENGINE_OPTIONS
 from tools import config_doc
 from tools.schema_tables import undocumented
 from trainer.config import TrainerConfig

@@ -5,13 +5,13 @@ calls it gets. The real engines are tested in tests/integration."""
 from __future__ import annotations
 
 import asyncio
-import gzip
 import json
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
 
 import pytest
+from support.traces import trace_events
 
 from profiling.manifest import ManifestEntry
 from profiling.session import ProfileSession, SessionConflict, SessionSpec
@@ -20,6 +20,9 @@ from serve_app.config import AppArgs
 from serve_app.engines.base import AdoptRefused, RolloutEngine
 from serve_app.engines.engine_profiler import EngineProfiler, recording_prefix
 from serve_app.engines.generation import GenerateDelta, GenerateRequest, SamplingSpec
+from serve_app.engines.options import Capability
+from serve_app.engines.registry import ENGINE_OPTIONS
+from serve_app.engines.vllm.options import VllmOptions
 
 FLUSH_S = 0.3
 
@@ -50,15 +53,33 @@ class FakeProfiler(EngineProfiler):
         self._engine.log("stop-flushed")
 
 
+class FakeProfilingOptions(VllmOptions):
+    """The FAKE engine's options: vLLM's option rules, and the capabilities its hooks fill."""
+
+    engine = "fake-profiling"
+    implementation = f"{__name__}:FakeProfilingEngine"
+    capabilities = frozenset({Capability.GENERATE, Capability.PROFILE, Capability.PAUSE, Capability.LOAD_PATH})
+
+
+@pytest.fixture(autouse=True)
+def fake_engines_registered(monkeypatch):
+    for options in (FakeProfilingOptions, FakeVersionedOptions):
+        monkeypatch.setitem(ENGINE_OPTIONS, options.engine, options)
+
+
 class FakeProfilingEngine(RolloutEngine[Path]):
     """A fake engine with its own (fake) profiler; vLLM's option rules apply to it."""
+
+    options: type[FakeProfilingOptions] = FakeProfilingOptions
 
     def __init__(self, store: TraceStore, exporter, trace_dir: Path, model_dir: Path, hold_timeout_s: float = 5.0):
         self.calls: list[tuple[str, float]] = []
         self.loaded: list[tuple[Path, int]] = []
         self.fail_start = False
+        self.load_s = 0.0
+        """How long a weight load takes (a large checkpoint)."""
         super().__init__(
-            args=AppArgs(engine="vllm", hold_timeout_s=hold_timeout_s),
+            args=AppArgs(engine=self.options.engine, hold_timeout_s=hold_timeout_s),
             model_dir=model_dir,
             session_factory=lambda backend_factory: ProfileSession(
                 store=store,
@@ -96,6 +117,7 @@ class FakeProfilingEngine(RolloutEngine[Path]):
         return path
 
     async def _load_weights(self, weights: Path, version: int) -> None:
+        await asyncio.sleep(self.load_s)
         self.loaded.append((weights, version))
         self.log("load")
 
@@ -148,8 +170,7 @@ async def test_export_moves_only_this_recordings_files_gzipped_and_counts_steps(
         "rollout/fake0/step1_rank0.123.pt.trace.json.gz",
         "rollout/fake0/step1_rank0.profiler_out.txt",
     ]
-    with gzip.open(store.step_dir(1) / entry.files[0], "rt") as f:
-        assert json.load(f)["traceEvents"][0]["name"].startswith("execute_context_")
+    assert trace_events(store.step_dir(1) / entry.files[0])[0]["name"].startswith("execute_context_")
     assert entry.forward_steps == 1
     assert [p.name for p in engine.trace_dir.iterdir()] == ["step10_rank0.999.pt.trace.json"]
     await engine.shutdown()
@@ -174,6 +195,36 @@ async def test_hold_without_update_expires(store, exporter, tmp_path, model_dir)
     assert engine.status().paused
     await asyncio.sleep(0.5)
     assert not engine.status().paused and engine.names() == ["pause", "resume"]
+    await engine.shutdown()
+
+
+async def test_a_load_longer_than_the_hold_timeout_keeps_the_hold_until_after_it(store, exporter, tmp_path, model_dir):
+    """stop(pause) -> update(resume=false) whose load outlasts hold_timeout_s: the hold covers the
+    load and then a full hold_timeout_s more, for the start that follows; an expiry that fell due
+    during the load (it waited for the control lock) does not end it."""
+    engine = FakeProfilingEngine(store, exporter, tmp_path / "e", model_dir, hold_timeout_s=0.4)
+    engine.load_s = 1.0
+    await engine.stop_profile(None, pause=True)
+    await engine.update_weights(1, engine.checkpoint, resume=False)
+    done = time.monotonic()
+    assert engine.weight_version == 1 and engine.status().paused, "the hold expired during the load"
+    await asyncio.sleep(0.2)
+    assert engine.status().paused, "the deadline did not restart at the end of the load"
+    await asyncio.sleep(0.5)
+    assert not engine.status().paused, "the hold outlived hold_timeout_s after the load"
+    resumed = next(t for c, t in engine.calls if c == "resume")
+    assert resumed - done == pytest.approx(0.4, abs=0.15)
+    assert engine.names() == ["pause", "load", "resume"]
+    await engine.shutdown()
+
+
+async def test_a_repeated_update_of_the_served_version_does_not_stretch_the_hold(store, exporter, tmp_path, model_dir):
+    engine = FakeProfilingEngine(store, exporter, tmp_path / "e", model_dir, hold_timeout_s=0.4)
+    await engine.stop_profile(None, pause=True)
+    for _ in range(3):  # nothing to load: the hold keeps the deadline it began with
+        await engine.update_weights(0, engine.checkpoint, resume=False)
+        await asyncio.sleep(0.15)
+    assert not engine.status().paused
     await engine.shutdown()
 
 
@@ -235,10 +286,17 @@ async def test_the_window_s_requests_and_the_sync_s_hold_reach_the_step_s_entry(
     await engine.shutdown()
 
 
+class FakeVersionedOptions(FakeProfilingOptions):
+    engine = "fake-versioned"
+    implementation = f"{__name__}:FakeVersionedEngine"
+    capabilities = FakeProfilingOptions.capabilities | {Capability.ADOPT_EXTERNAL, Capability.RECEIVE_COLLECTIVE}
+
+
 class FakeVersionedEngine(FakeProfilingEngine):
     """A FAKE engine that reports a weight version of its own (as vLLM does) and stages a fake
     collective transfer: `reported` is what the trainer's own transfer set."""
 
+    options = FakeVersionedOptions
     reported: int | None = None
     staged: Path | None = None
 
@@ -254,6 +312,9 @@ class FakeVersionedEngine(FakeProfilingEngine):
 
     async def _drop_staged(self) -> None:
         self.staged = None
+
+    async def _weights_snapshot(self) -> dict:
+        return {}
 
 
 @pytest.fixture
@@ -281,7 +342,7 @@ async def test_adopt_of_a_version_the_engine_does_not_report_names_it(versioned)
 
 
 async def test_adopt_on_an_engine_without_a_version_of_its_own_is_refused(engine):
-    with pytest.raises(AdoptRefused, match="keeps no weight version of its own.*source path or collective"):
+    with pytest.raises(AdoptRefused, match=r"keeps no weight version of its own.*source path or collective"):
         await engine.adopt_weights(1, resume=True)
     assert engine.weight_version == 0
     await engine.shutdown()

@@ -61,7 +61,7 @@ def test_settled_manifest_is_counted_at_once():
 def status(*replicas: ReplicaReport, active_step: int | None = None) -> StatusResponse:
     return StatusResponse(
         state="profiling" if active_step else "idle", active_step=active_step, weight_version=3,
-        paused=False, replicas=list(replicas),
+        paused=False, replicas=list(replicas), control_timeout_s=30.0,
     )
 
 

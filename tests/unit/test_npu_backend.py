@@ -397,7 +397,7 @@ def test_calls_in_order_with_mstx_ranges(fake, staging_root):
     assert start == {"message": "forward_step#0 step=1 weight_version=0", "stream": None, "domain": "default"}
     assert fake.calls[5][1]["range_id"] == 1
     # torch_npu's output stays in staging until export
-    [produced] = list(staging_root.iterdir())[0].iterdir()
+    [produced] = next(iter(staging_root.iterdir())).iterdir()
     assert produced.name.startswith(f"{socket.gethostname()}_{os.getpid()}_") and produced.name.endswith("_ascend_pt")
     assert trace is not None
 

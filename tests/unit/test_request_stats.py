@@ -90,9 +90,11 @@ class FakeSession:
 
 @pytest.mark.parametrize("continuous", [False, True])
 def test_the_trainer_records_staleness_in_the_profiled_window(continuous):
-    from trainer.profiled_sync import ProfiledWeightSync
+    from trainer.profiled_sync import ProfiledWeightSync, RankRole
 
-    sync = ProfiledWeightSync(StepSchedule([1, 2, 5], continuous=continuous), client=None, save_path=None, drives=False)
+    sync = ProfiledWeightSync(
+        StepSchedule([1, 2, 5], continuous=continuous), client=None, save_path=None, role=RankRole(drives=False)
+    )
     session = FakeSession()
     sync._session = session  # type: ignore[assignment]
     for version, lags in ((1, [0, 0]), (2, [1, 0]), (3, [2]), (4, [1]), (5, [1, 1])):

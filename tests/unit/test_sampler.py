@@ -1,4 +1,4 @@
-"""The embedded engine's sampler (serve_app/engines/sampler.py): each SamplingSpec field's effect
+"""The embedded engine's sampler (serve_app/engines/transformers/sampler.py): each SamplingSpec field's effect
 on the next token, and how a sequence ends."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from serve_app.engines.generation import SamplingSpec
-from serve_app.engines.sampler import Finish, Sampled, SequenceSampler, prompt_logprobs, sample_batch
+from serve_app.engines.transformers.sampler import Finish, Sampled, SequenceSampler, prompt_logprobs, sample_batch
 
 VOCAB = 8
 EOS = 7

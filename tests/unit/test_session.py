@@ -6,8 +6,6 @@ The test's own thread plays the model thread: every session method is called fro
 from __future__ import annotations
 
 import gc
-import gzip
-import json
 import threading
 import time
 import weakref
@@ -15,11 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.traces import trace_events
 
 from profiling.backends import ProfilerBackend, RecordedTrace
 from profiling.backends.torch_profiler import TRACE_FILE, TorchProfilerBackend
 from profiling.config import ProfileOptions
-from profiling.manifest import ManifestEntry
+from profiling.manifest import ManifestEntry, TraceDialect
 from profiling.session import ProfileSession, SessionConflict, SessionSpec, StopOutcome
 
 RID = "replica-0"
@@ -43,11 +42,6 @@ def run_steps(session: ProfileSession, model, n: int, weight_version: int) -> No
     for _ in range(n):
         with session.forward_step(weight_version):
             model(x)
-
-
-def trace_events(path: Path) -> list[dict]:
-    data = json.loads(gzip.decompress(path.read_bytes()))
-    return data["traceEvents"]
 
 
 def names(path: Path, prefix: str) -> list[str]:
@@ -360,6 +354,26 @@ def test_late_start_recorded_in_entry(store, exporter, model, spec):
     final = s.wait_exported(5, timeout=WAIT)
     assert final.late_start is True
     assert store.read_manifest(5).entries[0].late_start is True
+
+
+def test_the_entry_carries_its_backends_trace_dialect(store, exporter, spec):
+    """The profiler that records says how its traces read; the default is this project's markers."""
+    own = TraceDialect(forward_range="iter[", version_in="file_name", file_version=r"-v(\d+)-")
+
+    class EngineOwned(TorchProfilerBackend):
+        trace_dialect = own
+
+    s = make_session(store, exporter)
+    s.start(spec(1, max_duration_s=None), weight_version=0)
+    s.stop(1)
+    assert s.wait_exported(1, timeout=WAIT).trace_dialect == TraceDialect()
+    s = make_session(store, exporter, backend_factory=lambda spec: EngineOwned(spec.options))
+    s.start(spec(2, max_duration_s=None), weight_version=1)
+    [early] = store.read_entries(2)
+    assert early.trace_dialect == own
+    s.stop(2)
+    assert s.wait_exported(2, timeout=WAIT).trace_dialect == own
+    assert store.read_manifest(2).entries[0].trace_dialect == own
 
 
 def test_not_late_by_default(store, exporter, spec):

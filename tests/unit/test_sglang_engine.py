@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gzip
 import json
 import re
 import sys
@@ -23,30 +22,31 @@ import uvicorn
 from fakes.fake_sglang_scheduler import Scheduler
 from fakes.fake_sglang_server import build_app
 from safetensors.torch import load_file, save_file
+from support.traces import trace_events
 
 from profiling.config import NpuOptions, ProfileOptions
 from profiling.manifest import ManifestEntry
 from profiling.session import ProfileSession, SessionSpec
-from profiling.step_ranges import sglang_trace_version
 from profiling.store import TraceStore
 from serve_app.config import AppArgs
 from serve_app.engines.generation import GenerateDelta, GenerateRequest, SamplingSpec, SpanBuilder
-from serve_app.engines.options import SglangOptions
-from serve_app.engines.sglang_client import (
+from serve_app.engines.sglang.client import (
     GenerateChunk,
     PauseGenerationBody,
     SglangClient,
     SglangError,
     parse_sse_line,
 )
-from serve_app.engines.sglang_engine import (
+from serve_app.engines.sglang.engine import (
     ChunkReader,
     SglangEngine,
     SglangProfiler,
     generate_body,
     start_profile_body,
 )
-from serve_app.engines.sglang_server import SglangServer, wait_ready
+from serve_app.engines.sglang.options import SglangOptions
+from serve_app.engines.sglang.server import SglangServer, wait_ready
+from serve_app.engines.sglang.trace_dialect import SGLANG_DIALECT
 from serve_app.net import free_port
 from serve_app.weights import WeightsError
 
@@ -160,9 +160,9 @@ async def generate(engine: SglangEngine, request: GenerateRequest) -> Result:
 
 def forward_ranges(path: Path) -> list[str]:
     """The names of SGLang's per-forward ranges (`step[<MODE> bs=..]`) in one trace file."""
-    with gzip.open(path, "rt") as f:
-        events = json.load(f)["traceEvents"]
-    return [e["name"] for e in events if e.get("cat") == "user_annotation" and e["name"].startswith("step[")]
+    return [
+        e["name"] for e in trace_events(path) if e.get("cat") == "user_annotation" and e["name"].startswith("step[")
+    ]
 
 
 def recorded_forwards(scheduler: Scheduler, version: str) -> int:
@@ -196,7 +196,7 @@ async def test_sglang_engine_against_fake_server_records_a_step_into_its_prefixe
     assert len(entry.files) == 1 and entry.files[0].startswith(f"rollout/{RID}/")
     path = step_dir / entry.files[0]
     named = TRACE_NAME.match(path.name)
-    assert named and named.group(1, 3) == ("3", "0") and sglang_trace_version(path.name) == 0, path.name
+    assert named and named.group(1, 3) == ("3", "0") and SGLANG_DIALECT.file_version_of(path.name) == 0, path.name
     # One `step[..]` range per forward, without pipeline parallelism: a prefill (EXTEND) then one
     # DECODE per further token of these one-at-a-time requests; all the forwards the fake ran.
     tokens = sum(len(r.token_ids) for r in results)
@@ -233,7 +233,7 @@ async def test_sglang_engine_against_fake_server_window_across_an_update_has_one
     entry = await engine.wait_exported(1, 30)
     assert entry is not None and entry.status == "ok", entry
     paths = [Path(engine.trace_dir).parents[1] / "step_1" / f for f in entry.files]
-    assert [sglang_trace_version(p.name) for p in paths] == [0, 1], paths
+    assert [SGLANG_DIALECT.file_version_of(p.name) for p in paths] == [0, 1], paths
     counts = [len(forward_ranges(p)) for p in paths]
     assert counts == [recorded_forwards(fake[1], "default"), recorded_forwards(fake[1], "1")]
     assert counts == [len(before.token_ids), len(after.token_ids)]
@@ -256,7 +256,7 @@ async def test_sglang_engine_against_fake_server_failed_load_in_a_window_keeps_r
     entry = await engine.wait_exported(1, 30)
     assert entry is not None and entry.status == "ok", entry
     names = [Path(f).name for f in entry.files]
-    assert [sglang_trace_version(n) for n in names] == [0, 0], names
+    assert [SGLANG_DIALECT.file_version_of(n) for n in names] == [0, 0], names
     assert entry.forward_steps == len(first.token_ids) + len(second.token_ids) == recorded_forwards(fake[1], "default")
 
 
@@ -349,6 +349,133 @@ async def test_sglang_engine_against_fake_server_update_with_requests_in_flight_
     ((v0, s0, e0), (v1, s1, e1)) = result.spans
     assert (v0, s0, v1, e1) == (0, 0, 1, 300) and 0 < e0 == s1 < 300
     assert len(result.token_ids) == 300 and engine.healthy()
+
+
+SHARED_PREFIX = [5, 6, 7, 8, 9, 10, 11, 12]
+
+
+def long_greedy(suffix: int) -> GenerateRequest:
+    """A request on the shared prefix that runs long enough for a test to act while it runs."""
+    return req([*SHARED_PREFIX, suffix], max_tokens=120, temperature=0.0, ignore_eos=True)
+
+
+async def until_decoding(scheduler: Scheduler, requests: int) -> None:
+    """Until `requests` requests have been prefilled and decode (their KV is cached)."""
+    deadline = time.monotonic() + 30
+    while sum(1 for r in list(scheduler._running) if len(r.output_ids) >= 2) < requests:
+        assert time.monotonic() < deadline, "the requests did not start decoding"
+        await asyncio.sleep(0.01)
+
+
+def pause_in_place(engine: SglangEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The replica's pause made SGLang's `in_place` one, which keeps the running batch."""
+
+    async def pause() -> None:
+        await engine._client.call("/pause_generation", PauseGenerationBody(mode="in_place"))
+
+    monkeypatch.setattr(engine, "_pause", pause)
+
+
+async def fake_call(url: str, route: str, body: dict | None = None) -> httpx.Response:
+    """A call to the fake from another client than the replica (an operator, or a trainer)."""
+    async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+        return await http.post(route, json=body)
+
+
+async def test_fake_sglang_server_refuses_a_flush_while_a_request_runs_and_counts_forwards_on_stale_kv(
+    fake: tuple[str, Scheduler], model_dir: Path, tmp_path: Path
+):
+    """The fake's own check, as SGLang answers: a flush is refused while the running batch holds a
+    request (here: paused in place), which fails a weight update after its load; the request then
+    decodes next to KV of the old weights (counted), until a retract pause lets a flush through."""
+    url, scheduler = fake
+    async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+        running = asyncio.create_task(http.post("/generate", json={"input_ids": [5, 6], "sampling_params": {
+            "max_new_tokens": 120, "temperature": 0.0, "ignore_eos": True}}))  # fmt: skip
+        await until_decoding(scheduler, 1)
+        await fake_call(url, "/pause_generation", {"mode": "in_place"})
+        refused = await fake_call(url, "/flush_cache")
+        assert (refused.status_code, refused.text) == (400, "Flush cache failed.\n")
+        weights = perturbed_weights(model_dir, tmp_path / "model.safetensors", 1).parent
+        update = await fake_call(url, "/update_weights_from_disk", {"model_path": str(weights), "weight_version": "1"})
+        assert update.status_code == 400 and update.json()["message"].startswith("Weights were updated, but the cache")
+        assert scheduler.weights_loaded == 1, "the refused flush fails the update after the load"
+        await fake_call(url, "/continue_generation", {})
+        await asyncio.sleep(0.2)
+        assert scheduler.stale_cache_forwards > 0, "decoding next to the old weights' KV is counted"
+        await fake_call(url, "/pause_generation", {"mode": "retract"})
+        flushed = await fake_call(url, "/flush_cache")
+        assert flushed.status_code == 200 and flushed.text.startswith("Cache flushed.")
+        stale = scheduler.stale_cache_forwards
+        await fake_call(url, "/continue_generation", {})
+        assert (await running).status_code == 200
+    assert scheduler.stale_cache_forwards == stale and scheduler.cached_weights == {1}
+
+
+async def test_sglang_engine_against_fake_server_update_under_load_leaves_no_kv_of_the_old_weights(
+    engine: SglangEngine, fake: tuple[str, Scheduler], model_dir: Path, tmp_path: Path
+):
+    """Requests on a shared prefix in flight across an update: the flush empties SGLang's cache
+    while they are retracted, so neither they nor a request admitted afterwards reuse KV of the
+    old weights, and the kept ones report both versions."""
+    scheduler = fake[1]
+    kept = [asyncio.create_task(generate(engine, long_greedy(20 + i))) for i in range(3)]
+    await until_decoding(scheduler, 3)
+    await engine.update_weights(1, str(perturbed_weights(model_dir, tmp_path / "v1.safetensors", 1)), resume=True)
+    after = await generate(engine, req([*SHARED_PREFIX, 30], max_tokens=8, temperature=0.0))
+    for result in await asyncio.wait_for(asyncio.gather(*kept), 60):
+        ((v0, s0, k), (v1, k1, end)) = result.spans
+        assert (v0, s0, v1, end) == (0, 0, 1, 120) and 0 < k == k1 < 120, result.spans
+    assert after.spans == [(1, 0, 8)]
+    assert scheduler.stale_cache_forwards == 0 and scheduler.cached_weights == {scheduler.weights_loaded}
+
+
+async def test_sglang_engine_against_fake_server_refused_flush_fails_the_update_before_the_load(
+    engine: SglangEngine, fake: tuple[str, Scheduler], model_dir: Path, tmp_path: Path, monkeypatch
+):
+    """A server paused in place keeps its running batch, so SGLang refuses the flush: the update
+    fails naming it, before the load, and the old weights serve on with their own cache."""
+    scheduler = fake[1]
+    pause_in_place(engine, monkeypatch)
+    running = asyncio.create_task(generate(engine, long_greedy(20)))
+    await until_decoding(scheduler, 1)
+    weights = perturbed_weights(model_dir, tmp_path / "v1.safetensors", 1)
+    with pytest.raises(
+        SglangError, match=r"refused to flush its cache before loading version 1 \(version 0 serves on\)"
+    ):
+        await engine.update_weights(1, str(weights), resume=True)
+    assert engine.weight_version == 0 and scheduler.weights_loaded == 0 and not engine.status().paused
+    assert (await asyncio.wait_for(running, 60)).spans == [(0, 0, 120)]
+    assert scheduler.stale_cache_forwards == 0
+
+
+async def test_sglang_engine_against_fake_server_adopting_flushes_what_the_trainers_update_left_or_stays_paused(
+    engine: SglangEngine, fake: tuple[str, Scheduler], model_dir: Path, tmp_path: Path, monkeypatch
+):
+    """The trainer's own update, on a server another client paused in place, loads but cannot
+    flush. Adopting its version flushes while paused: refused (the batch still runs), the adopt
+    fails and generation stays paused; once a retract pause empties the batch, it succeeds."""
+    url, scheduler = fake
+    running = asyncio.create_task(generate(engine, long_greedy(20)))
+    await until_decoding(scheduler, 1)
+    await fake_call(url, "/pause_generation", {"mode": "in_place"})
+    weights = perturbed_weights(model_dir, tmp_path / "model.safetensors", 1).parent
+    update = await fake_call(url, "/update_weights_from_disk", {"model_path": str(weights), "weight_version": "1"})
+    assert update.status_code == 400, "SGLang refused the flush after loading"
+    await fake_call(url, "/update_weight_version", {"new_version": "1", "abort_all_requests": False})
+
+    pause_in_place(engine, monkeypatch)
+    with pytest.raises(SglangError, match=r"refused to flush its cache after the trainer's update to version 1"):
+        await engine.adopt_weights(1, resume=True)
+    steps = scheduler.forward_ct
+    await asyncio.sleep(0.3)
+    assert scheduler.forward_ct == steps and engine.weight_version == 0, "generation resumed next to stale KV"
+
+    monkeypatch.undo()  # the replica's own retract pause again
+    await engine.adopt_weights(1, resume=True)
+    ((v0, s0, k), (v1, k1, end)) = (await asyncio.wait_for(running, 60)).spans
+    assert (v0, s0, v1, end) == (0, 0, 1, 120) and 0 < k == k1 < 120
+    assert engine.weight_version == 1 and scheduler.stale_cache_forwards == 0
 
 
 async def test_sglang_engine_against_fake_server_aborted_request_is_an_error(engine: SglangEngine):
@@ -559,7 +686,7 @@ def test_sglang_start_profile_body_maps_tools_and_options(tmp_path: Path):
     assert npu.output_dir == str(tmp_path / "step9-ascend")
     # What SGLang cannot record is refused by the engine's option rules, before any body is built.
     npu_settings = ProfileOptions(tool="npu", npu=NpuOptions(level="level2"))
-    with pytest.raises(ValueError, match="profiler.npu"):
+    with pytest.raises(ValueError, match=re.escape("profiler.npu")):
         SglangOptions.check_profiler(npu_settings, npu_settings)
     with pytest.raises(ValueError, match="with_memory"):
         SglangOptions.check_profiler(ProfileOptions(with_memory=True), ProfileOptions())
@@ -837,7 +964,7 @@ def test_sglang_server_not_ready_in_time_is_reported_and_terminated(tmp_path: Pa
 
 
 def test_sglang_server_command_that_does_not_exist_names_the_setting(tmp_path: Path):
-    with pytest.raises(RuntimeError, match="sglang.server_command"):
+    with pytest.raises(RuntimeError, match=re.escape("sglang.server_command")):
         SglangServer([str(tmp_path / "no-such-sglang")], [], tmp_path, tmp_path / "server.log")
 
 
@@ -915,7 +1042,8 @@ async def test_sglang_engine_against_fake_server_adopts_a_version_the_trainer_mo
     await engine.stop_profile(1, pause=True)
     entry = await engine.wait_exported(1, 30)
     assert entry is not None and entry.status == "ok", entry
-    assert [sglang_trace_version(Path(f).name) for f in entry.files] == [0, 1], entry.files
+    assert [SGLANG_DIALECT.file_version_of(Path(f).name) for f in entry.files] == [0, 1], entry.files
+    assert entry.trace_dialect == SGLANG_DIALECT
     assert before.spans == [(0, 0, 3)] and after.spans == [(1, 0, 4)]
     served = fake[1].model.state_dict()
     assert all(torch.equal(served[name], tensor) for name, tensor in state.items())
@@ -931,7 +1059,7 @@ async def test_sglang_engine_against_fake_server_a_transfer_without_weight_versi
 
 
 async def test_sglang_engine_rpc_refusals_name_the_cause(engine: SglangEngine):
-    with pytest.raises(ValueError, match="'update_weights_from_disk' is not allowed.*init_weights_update_group"):
+    with pytest.raises(ValueError, match=r"'update_weights_from_disk' is not allowed.*init_weights_update_group"):
         await engine.engine_rpc("update_weights_from_disk", model_path="/x")
     with pytest.raises(
         SglangError, match="refused update_weights_from_distributed: update_weights_from_distributed must run between"
@@ -944,7 +1072,7 @@ async def test_sglang_engine_rpc_refusals_name_the_cause(engine: SglangEngine):
 
 
 def test_sglang_rpc_bodies_are_sglangs_fields_checked():
-    from serve_app.engines.sglang_engine import rpc_body
+    from serve_app.engines.sglang.engine import rpc_body
 
     group = {"master_address": "10.0.0.1", "master_port": 29500, "world_size": 3}
     body = rpc_body("init_weights_update_group", (), {**group, "rank_offset": 2})
@@ -955,7 +1083,7 @@ def test_sglang_rpc_bodies_are_sglangs_fields_checked():
     with pytest.raises(ValueError, match="one entry per tensor: got 2, 1 and 2"):
         rpc_body("update_weights_from_distributed", ({**meta},), {})
     meta["dtypes"] = ["float32", "float32"]
-    with pytest.raises(ValueError, match="weight_version.*non-negative integer"):
+    with pytest.raises(ValueError, match=r"weight_version.*non-negative integer"):
         rpc_body("update_weights_from_distributed", (), {**meta, "weight_version": "v3"})
     with pytest.raises(ValueError, match="flush_cache"):
         rpc_body("update_weights_from_distributed", (), {**meta, "flush_cache": False})

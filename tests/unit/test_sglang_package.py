@@ -30,9 +30,11 @@ from fakes.fake_sglang_scheduler import step_span_name, trace_file_name
 from fastapi.routing import APIRoute
 from pydantic import BaseModel
 
-from profiling.step_ranges import SGLANG_FORWARD, sglang_trace_version
-from serve_app.engines import sglang_client, sglang_engine, sglang_server
-from serve_app.engines.sglang_engine import segment_prefix
+from serve_app.engines.sglang import client as sglang_client
+from serve_app.engines.sglang import engine as sglang_engine
+from serve_app.engines.sglang import server as sglang_server
+from serve_app.engines.sglang.engine import segment_prefix
+from serve_app.engines.sglang.trace_dialect import SGLANG_DIALECT, SGLANG_FORWARD
 
 _SPEC = importlib.util.find_spec("sglang")  # finds the package without importing it
 
@@ -127,7 +129,9 @@ def class_fields(tree: ast.Module) -> dict[str, set[str]]:
         fields = {
             s.target.id
             for s in cls.body
-            if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name) and "ClassVar" not in ast.unparse(s.annotation)
+            if isinstance(s, ast.AnnAssign)
+            and isinstance(s.target, ast.Name)
+            and "ClassVar" not in ast.unparse(s.annotation)
         }
         for s in cls.body:
             if isinstance(s, ast.FunctionDef) and s.name == "__init__":
@@ -141,9 +145,9 @@ def class_fields(tree: ast.Module) -> dict[str, set[str]]:
     return {name: resolve(name) for name in own}
 
 
-def _function(tree: ast.AST, name: str) -> ast.FunctionDef:
+def _function(tree: ast.AST, name: str) -> ast.FunctionDef | ast.AsyncFunctionDef:
     for node in ast.walk(tree):
-        if isinstance(node, ast.FunctionDef) and node.name == name:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
             return node
     raise AssertionError(f"SGLang {sglang_version()} has no function {name}")
 
@@ -172,7 +176,7 @@ def sglang_trace_file_name(profile_prefix: str, profile_id: str) -> str:
         "stage": None,
         "get_parallel": lambda: ranks,
     }
-    exec(compile(ast.Module(body=stmts, type_ignores=[]), "profiler_manager.py", "exec"), scope)  # noqa: S102
+    exec(compile(ast.Module(body=stmts, type_ignores=[]), "profiler_manager.py", "exec"), scope)
     return str(scope["filename"])
 
 
@@ -202,7 +206,7 @@ def sglang_step_span_name(mode: str, batch_size: int, extend_tokens: int) -> str
         flags=__future__.annotations.compiler_flag,
         dont_inherit=True,
     )
-    exec(code, scope)  # noqa: S102
+    exec(code, scope)
     batch = SimpleNamespace(forward_mode=_ForwardMode[mode], batch_size=batch_size, extend_num_tokens=extend_tokens)
     return str(scope["build_step_span_name"](batch, detailed_annotations=False))
 
@@ -243,7 +247,12 @@ def fake_routes() -> dict[str, tuple[set[str], type[BaseModel] | None]]:
             continue
         hints = typing.get_type_hints(route.endpoint)
         body = next(
-            (a for a in (hints.get("obj"),) for a in [*typing.get_args(a), a] if isinstance(a, type) and issubclass(a, BaseModel)),
+            (
+                a
+                for a in (hints.get("obj"),)
+                for a in [*typing.get_args(a), a]
+                if isinstance(a, type) and issubclass(a, BaseModel)
+            ),
             None,
         )
         old = routes.get(route.path, (set(), None))
@@ -335,7 +344,9 @@ def test_sglang_package_serves_every_route_the_fake_and_the_adapter_use(sglang_r
 def test_sglang_package_request_classes_have_every_field_the_fake_and_the_adapter_use(sglang_routes, io_structs):
     fake = {path: set(body.model_fields) for path, (_, body) in fake_routes().items() if body is not None}
     adapter = {path: set(body.model_fields) for path, body in ADAPTER_BODIES.items()}
-    assert set(fake) - FAKE_TEST_ROUTES == set(adapter), "the fake reads a body on exactly the routes the adapter sends one"
+    assert set(fake) - FAKE_TEST_ROUTES == set(adapter), (
+        "the fake reads a body on exactly the routes the adapter sends one"
+    )
     problems = body_problems(sglang_routes, io_structs, fake, "the fake")
     problems += body_problems(sglang_routes, io_structs, adapter, "the adapter")
     # What the fake's scheduler takes from a profile request, and the sampling keywords.
@@ -354,7 +365,7 @@ def test_sglang_package_names_trace_files_as_the_fake_does_and_the_adapter_reads
     prefix = segment_prefix("step3-tagged", 2)
     name = sglang_trace_file_name(prefix, "1712345678.25")
     assert name == trace_file_name(prefix, "1712345678.25") == "step3-tagged-v2-1712345678.25-TP-0.trace.json.gz"
-    assert sglang_trace_version(name) == 2
+    assert SGLANG_DIALECT.file_version_of(name) == 2
 
 
 @needs_sglang
@@ -388,6 +399,67 @@ def test_sglang_package_forms_the_weight_update_group_as_the_fake_does():
         _function(_tree("srt/model_executor/model_runner_components/weight_updater.py"), "init_weights_update_group")
     )
     assert "rank = rank_offset + self.tp_rank" in init and "init_method=na.to_tcp()" in init, init
+
+
+def flush_problems(fn: ast.AST, says: tuple[str, ...], does: tuple[str, ...], where: str) -> list[str]:
+    """What SGLang's function `fn` no longer has of what the fake copies from it: the strings it
+    answers with (`says`) and the code of its conditions (`does`)."""
+    said = {n.value for n in ast.walk(fn) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+    source = ast.unparse(fn)
+    return [f"{where} no longer says {s!r}, which the fake answers" for s in says if s not in said] + [
+        f"{where} no longer does `{c}`, which the fake copies" for c in does if c not in source
+    ]
+
+
+def sglang_flush_problems() -> list[str]:
+    """Whether SGLang refuses a cache flush as the fake does: only when fully idle (waiting
+    requests aside while paused), `/flush_cache` answering 400 then, and a weight update whose
+    flush is refused failing with SGLang's message after its load."""
+    updater = _tree("srt/managers/scheduler_components/weight_updater.py")
+    return [
+        *flush_problems(
+            _function(_tree("srt/entrypoints/http_server.py"), "flush_cache"),
+            (fake_sglang_server.CACHE_FLUSHED, fake_sglang_server.FLUSH_FAILED),
+            ("200 if ret.success else HTTPStatus.BAD_REQUEST",),
+            "/flush_cache",
+        ),
+        *flush_problems(
+            _function(_tree("srt/managers/scheduler.py"), "flush_cache"),
+            (),
+            ("self.is_fully_idle(ignore_waiting=self._engine_paused)",),
+            "Scheduler.flush_cache",
+        ),
+        *flush_problems(
+            _function(updater, "flush_cache_after_weight_update"),
+            (fake_sglang_scheduler.FLUSH_REFUSED_AFTER_UPDATE,),
+            ("recv_req.flush_cache and (not self.flush_cache(",),
+            "flush_cache_after_weight_update",
+        ),
+        *flush_problems(
+            _function(updater, "update_weights_from_disk"),
+            (),
+            ("self.flush_cache_after_weight_update(recv_req, success, message)",),
+            "update_weights_from_disk",
+        ),
+    ]
+
+
+@needs_sglang
+def test_sglang_package_refuses_a_cache_flush_as_the_fake_does():
+    assert not sglang_flush_problems()
+
+
+def test_sglang_package_flush_check_fails_on_a_drifted_answer_or_condition():
+    fn = ast.parse('''
+def flush_cache(self):
+    if self.is_fully_idle():
+        return "Cache flushed."
+''')
+    assert not flush_problems(fn, ("Cache flushed.",), ("self.is_fully_idle()",), "f")
+    assert flush_problems(fn, ("Cache flushed!",), ("self.is_fully_idle(ignore_waiting=True)",), "f") == [
+        "f no longer says 'Cache flushed!', which the fake answers",
+        "f no longer does `self.is_fully_idle(ignore_waiting=True)`, which the fake copies",
+    ]
 
 
 def test_sglang_package_group_check_fails_on_a_drifted_group_formation():
@@ -461,7 +533,8 @@ def test_sglang_package_checkers_fail_on_a_drifted_route_method_or_field(monkeyp
     # `backend`, absent from this sample's class) is caught.
     init_fields = set(sglang_client.InitWeightsUpdateGroupBody.model_fields)
     assert body_problems(routes, classes, {"/init_weights_update_group": init_fields}, "the adapter") == [
-        "the adapter /init_weights_update_group (InitWeightsUpdateGroupReqInput): 'backend' is not a field in SGLang test"
+        "the adapter /init_weights_update_group (InitWeightsUpdateGroupReqInput): "
+        "'backend' is not a field in SGLang test"
     ]
     assert body_problems(routes, classes, {"/health": {"x"}}, "the adapter") == [
         "the adapter: SGLang test has no request class for /health"

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
+import logging
 import os
+import shutil
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -349,3 +355,186 @@ def test_prune_keeps_the_most_recently_written_step_directories(store):
     assert sorted(p.name for p in store.root.iterdir()) == [".engine", "index.html", "step_2", "step_3"]
     assert store.prune(5) == []
     assert TraceStore(store.root / "absent").prune(1) == []
+
+
+# -- retention never removes what is still being written -------------------------------------
+
+
+def settled_steps(store: TraceStore, *steps: int) -> None:
+    """Complete steps, written in the order given (each older than the next)."""
+    for i, k in enumerate(steps):
+        store.write_session(k, session(k))
+        store.write_entry(k, rollout("r0"))
+        store.refresh_manifest(k)
+        os.utime(store.step_dir(k), (1000 + i, 1000 + i))
+
+
+def make_oldest(store: TraceStore, step: int) -> None:
+    os.utime(store.step_dir(step), (1, 1))
+
+
+@pytest.mark.parametrize(
+    ("records", "why"),
+    [
+        ({"stopped": False, "entries": [rollout("r0", exporting=True)]}, "recorded"),
+        ({"stopped": True, "entries": [rollout("r0"), rollout("r1", exporting=True)]}, "exported"),
+        ({"stopped": True, "entries": [], "trainer_ranks": [0]}, "exported"),
+    ],
+    ids=["recording", "an-entry-exporting", "a-trainer-rank-not-written-yet"],
+)
+def test_prune_keeps_a_step_whose_records_say_it_is_still_being_written(store, caplog, records, why):
+    """Derived from the records (no manifest.json refreshed yet): kept, logged, not counted."""
+    settled_steps(store, 1, 2)
+    store.write_session(5, session(5, stopped=records["stopped"]))
+    for e in records["entries"]:
+        store.write_entry(5, e)
+    if ranks := records.get("trainer_ranks"):
+        store.update_trainer_record(5, lambda r: r.model_copy(update={"ranks": ranks}))
+    (store.step_dir(5) / "manifest.json").unlink(missing_ok=True)
+    make_oldest(store, 5)
+    with caplog.at_level(logging.WARNING, logger="profiling.store"):
+        assert store.prune(1) == ["step_1"]
+    assert store.steps() == [2, 5]
+    assert f"retention kept step_5 beyond the 1 most recently written: its traces are still being {why}" in (
+        caplog.text
+    )
+
+
+def test_prune_keeps_a_step_whose_copied_manifest_says_exporting(store):
+    """A step without its records (copied from elsewhere): its manifest.json decides."""
+    settled_steps(store, 1)
+    atomic_write_text(
+        store.step_dir(4) / "manifest.json",
+        StepManifest(step=4, steps=[4], tool="torch", status="exporting").model_dump_json(),
+    )
+    make_oldest(store, 4)
+    assert store.prune(0) == ["step_1"]
+    assert store.steps() == [4]
+
+
+def test_prune_keeps_a_step_whose_records_cannot_be_read(store, caplog):
+    settled_steps(store, 1, 2)
+    (store.step_dir(1) / "session.json").write_text('{"step": 1, ')
+    with caplog.at_level(logging.WARNING, logger="profiling.store"):
+        assert store.prune(1) == []
+    assert store.steps() == [1, 2]
+    assert "step_1/session.json under save_path is not a valid SessionRecord" in caplog.text
+
+
+def test_prune_removes_settled_steps_and_runs_moved_aside_whatever_their_records_say(store):
+    """Complete and partial steps go; so does a run moved aside while it said exporting (its
+    producers write into step_<k>/, never into it), though a new run of its step records."""
+    settled_steps(store, 1, 2)
+    store.write_session(3, session(3))
+    store.write_entry(3, rollout("r0", status="error", error="export failed"))
+    store.write_session(4, session(4))
+    store.write_entry(4, rollout("r0", exporting=True))
+    aside = store.set_aside(4)
+    assert aside is not None
+    store.write_session(4, session(4, stopped=False))
+    for i, run in enumerate([store.step_dir(1), store.step_dir(2), store.step_dir(3), aside, store.step_dir(4)]):
+        os.utime(run, (1000 + i, 1000 + i))
+    assert store.prune(0) == ["step_1", "step_2", "step_3", aside.name]
+    assert sorted(p.name for p in store.root.iterdir()) == ["step_4"]
+
+
+def test_prune_keeps_a_step_held_by_a_writer_until_it_lets_go(store, caplog):
+    settled_steps(store, 1, 2)
+    with store.writing(1), caplog.at_level(logging.WARNING, logger="profiling.store"):
+        assert store.prune(0) == ["step_2"]
+    assert "retention kept step_1 beyond the 0 most recently written: a merge or the ranks view" in caplog.text
+    assert store.prune(0) == ["step_1"]  # the retention catches up once it is settled
+
+
+def test_prune_from_another_process_keeps_a_step_held_here(store):
+    settled_steps(store, 1, 2)
+    prune = f"from profiling.store import TraceStore; print(TraceStore({str(store.root)!r}).prune(0))"
+    with store.writing(1):
+        done = subprocess.run([sys.executable, "-c", prune], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "['step_2']", done.stderr
+    assert store.steps() == [1]
+
+
+def test_a_writer_waiting_for_a_prune_finds_the_step_gone(store):
+    """A writer blocked on the hold while a prune removes the step must not write into it (nor
+    recreate it): it is told the step is gone."""
+    settled_steps(store, 1)
+    outcome: list[BaseException | None] = []
+
+    def write() -> None:
+        try:
+            with store.writing(1):
+                outcome.append(None)
+        except FileNotFoundError as e:
+            outcome.append(e)
+
+    with open(store.step_dir(1) / ".write.lock", "a") as pruning:
+        fcntl.flock(pruning, fcntl.LOCK_EX)  # as a prune holds it while it removes the step
+        writer = threading.Thread(target=write)
+        writer.start()
+        time.sleep(0.2)
+        store.step_dir(1).rename(store.root / ".step_1.removing-1")
+    writer.join(timeout=10)
+    assert len(outcome) == 1 and isinstance(outcome[0], FileNotFoundError), outcome
+    assert "step_1 was removed or moved aside" in str(outcome[0])
+    assert not store.step_dir(1).exists()
+
+
+def test_writing_a_step_without_a_directory_creates_nothing(store):
+    store.root.mkdir(parents=True)
+    with pytest.raises(FileNotFoundError), store.writing(7):
+        pass
+    assert list(store.root.iterdir()) == []
+
+
+def test_prune_finishes_a_removal_that_failed_before(store, monkeypatch):
+    settled_steps(store, 1, 2)
+    real_rmtree = shutil.rmtree
+
+    def full_disk(path, *args, **kwargs):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(shutil, "rmtree", full_disk)
+    with pytest.raises(OSError):
+        store.prune(1)
+    monkeypatch.setattr(shutil, "rmtree", real_rmtree)
+    [left] = [p.name for p in store.root.iterdir() if p.name.startswith(".")]
+    assert left.startswith(".step_1.removing-") and store.steps() == [2]  # out of the listing already
+    assert store.prune(1) == []
+    assert sorted(p.name for p in store.root.iterdir()) == ["step_2"]
+
+
+def test_prune_during_a_merge_keeps_the_step(store, monkeypatch):
+    """merge_step holds the step from its start until the manifest shows the merge."""
+    from profiling.analysis import merge
+    from profiling.manifest import MergeRecord
+
+    settled_steps(store, 1, 2)
+    pruned: list[list[str]] = []
+
+    def merging(step_dir, manifest, **_):
+        pruned.append(store.prune(0))
+        return MergeRecord(status="ok", digest="", finished_at=time.time(), duration_s=0.0)
+
+    monkeypatch.setattr(merge, "merge_manifest", merging)
+    monkeypatch.setattr(merge, "_record_in_manifest", lambda *a: pruned.append(store.prune(0)))
+    merge.merge_step(store, 1)
+    assert pruned == [["step_2"], []]
+    assert store.steps() == [1] and store.read_merge(1) is not None
+
+
+def test_prune_while_the_ranks_view_is_written_keeps_the_step(store, monkeypatch):
+    from profiling.analysis import tool_view
+
+    settled_steps(store, 1, 2)
+    pruned: list[list[str]] = []
+    write_view = tool_view._write_view
+
+    def writing_view(step_dir, inputs):
+        pruned.append(store.prune(0))
+        return write_view(step_dir, inputs)
+
+    monkeypatch.setattr(tool_view, "_write_view", writing_view)
+    view = tool_view.build_tool_view(store, 1)
+    assert pruned == [["step_2"]]
+    assert store.steps() == [1] and Path(view.directory).is_dir()

@@ -19,8 +19,9 @@ from profiling.analysis.events import iter_events, sniff
 from profiling.backends import ProfilerBackend, RecordedTrace
 from profiling.config import ProfileOptions
 from profiling.manifest import ManifestEntry
+from profiling.markers import FORWARD_STEP, ForwardStepMarker, format_forward_step, parse_forward_step
 from profiling.session import ProfileSession
-from profiling.step_ranges import FORWARD_STEP, count_engine_steps
+from profiling.step_ranges import count_engine_steps
 from profiling.trace_budget import MIB, StepSizeEstimate, cut_trace
 from serve_app.limits import StartLimits
 
@@ -31,7 +32,7 @@ def record_trace(path: Path, steps: int) -> Path:
     """A real Kineto trace with `steps` forward_step ranges, each a few operators."""
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         for i in range(steps):
-            with record_function(f"{FORWARD_STEP}{i} step=1 weight_version=0"):
+            with record_function(format_forward_step(i, 1, 0)):
                 for _ in range(5):
                     torch.randn(8, 8) @ torch.randn(8, 8)
     prof.export_chrome_trace(str(path))
@@ -43,9 +44,15 @@ def trace(tmp_path_factory) -> Path:
     return record_trace(tmp_path_factory.mktemp("trace") / "t.json", 30)
 
 
+def marker(name: str) -> ForwardStepMarker:
+    m = parse_forward_step(name)
+    assert m is not None, name
+    return m
+
+
 def step_names(events: list[dict]) -> list[str]:
     found = [e["name"] for e in events if e.get("ph") == "X" and str(e.get("name", "")).startswith(FORWARD_STEP)]
-    return sorted(found, key=lambda n: int(n[len(FORWARD_STEP) :].split()[0]))
+    return sorted(found, key=lambda n: marker(n).index)
 
 
 # -- the cut ---------------------------------------------------------------------------------------

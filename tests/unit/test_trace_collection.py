@@ -58,7 +58,7 @@ def test_a_failed_ship_keeps_the_files_and_says_where(tmp_path):
     out = store.entry_dir(2, entry())
     out.mkdir(parents=True)
     (out / "trace.pt.trace.json.gz").write_bytes(b"x" * 10)
-    with pytest.raises(OSError, match="kept on node node-a under .*step_2/rollout/r1"):
+    with pytest.raises(OSError, match=r"kept on node node-a under .*step_2/rollout/r1"):
         store.write_entry(2, entry(files=["rollout/r1/trace.pt.trace.json.gz"]))
     assert (out / "trace.pt.trace.json.gz").exists()
 

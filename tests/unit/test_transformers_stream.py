@@ -1,4 +1,4 @@
-"""The embedded engine's generation (serve_app/engines/transformers_engine.py) on the real tiny
+"""The embedded engine's generation (serve_app/engines/transformers/engine.py) on the real tiny
 model: streamed deltas, stops, concurrency, abort, and exact per-token weight versions."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from profiling.manifest import ManifestEntry
 from profiling.session import ProfileSession
 from serve_app.config import AppArgs
 from serve_app.engines.generation import GenerateDelta, GenerateRequest, SamplingSpec
-from serve_app.engines.transformers_engine import TransformersEngine
+from serve_app.engines.transformers.engine import TransformersEngine
 
 
 def build(store, exporter, model_dir: Path, tmp_path: Path, max_batch_size: int = 16) -> TransformersEngine:

@@ -1,4 +1,4 @@
-"""The worker side of vLLM profiling (serve_app/engines/vllm_worker.py) and the replica's view of
+"""The worker side of vLLM profiling (serve_app/engines/vllm/worker.py) and the replica's view of
 it (`WorkerTrace`, `VllmCudaProfiler`), the worker's weight staging over a real gloo group, and the
 engine RPC's argument mapping, with no vLLM engine running: a stand-in `execute_model` takes the
 place of vLLM's worker method (the real ones run in tests/integration/test_vllm_engine.py and
@@ -7,9 +7,7 @@ test_vllm_collective.py)."""
 from __future__ import annotations
 
 import asyncio
-import gzip
 import json
-import re
 import threading
 import time
 from pathlib import Path
@@ -17,15 +15,16 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from support.traces import trace_events
 
 from profiling.config import ProfileOptions
+from profiling.markers import parse_forward_step
 from profiling.session import SessionSpec
+from profiling.store import atomic_write_text
 from serve_app.api import CollectiveTransfer
-from serve_app.engines import vllm_engine
-from serve_app.engines.vllm_engine import VllmCudaProfiler, WorkerTrace
-from serve_app.engines.vllm_worker import WorkerExport, WorkerProfiler, WorkerStop, WorkerWeights, export_record
-
-MARKER = re.compile(r"^forward_step#(\d+) step=(\d+) weight_version=(\d+)$")
+from serve_app.engines.vllm import engine as vllm_engine
+from serve_app.engines.vllm.engine import VllmCudaProfiler, WorkerTrace
+from serve_app.engines.vllm.worker import WorkerExport, WorkerProfiler, WorkerStop, WorkerWeights, export_record
 
 
 def iteration(tokens: int = 4) -> SimpleNamespace:
@@ -46,9 +45,8 @@ def marked_worker(version: int = 0) -> tuple[WorkerProfiler, list]:
 
 
 def markers(path: Path) -> list[tuple[int, int, int]]:
-    events = json.loads(gzip.decompress(path.read_bytes()))["traceEvents"]
-    found = [(e["ts"], MARKER.match(e["name"])) for e in events if e.get("cat") == "user_annotation"]
-    return [(int(m[1]), int(m[2]), int(m[3])) for _, m in sorted(found, key=lambda x: x[0]) if m]
+    found = [(e["ts"], parse_forward_step(e["name"])) for e in trace_events(path) if e.get("cat") == "user_annotation"]
+    return [(m.index, m.step, m.weight_version) for _, m in sorted(found, key=lambda x: x[0]) if m]
 
 
 def wait_record(trace_dir: Path, prefix: str) -> WorkerExport:
@@ -98,7 +96,7 @@ def test_a_weight_load_inside_a_window_is_marked_and_later_passes_carry_the_new_
     execute(iteration())
     assert loaded.is_set() and profiler.stop().weight_versions == [0, 1]
     record = wait_record(tmp_path, "step1")
-    names = [e["name"] for e in json.loads(gzip.decompress((tmp_path / record.file).read_bytes()))["traceEvents"]]
+    names = [e["name"] for e in trace_events(tmp_path / record.file)]
     assert "weight_update version=1" in names
     assert markers(tmp_path / record.file) == [(0, 1, 0), (1, 1, 1)]
 
@@ -124,8 +122,10 @@ def test_the_replica_moves_each_ranks_trace_once_its_record_is_written(tmp_path)
         time.sleep(0.2)
         for rank in (0, 1):
             (engine_dir / f"r{rank}.json.gz").write_bytes(b"trace")
-            export_record(engine_dir, "step1", rank).write_text(
-                WorkerExport(rank=rank, file=f"r{rank}.json.gz", forward_steps=2, trace_bytes=10).model_dump_json()
+            # As the worker writes it: atomically, so the reader never finds a half-written record.
+            atomic_write_text(
+                export_record(engine_dir, "step1", rank),
+                WorkerExport(rank=rank, file=f"r{rank}.json.gz", forward_steps=2, trace_bytes=10).model_dump_json(),
             )
 
     threading.Thread(target=write_later).start()
@@ -173,12 +173,13 @@ def test_nsys_brackets_the_window_with_vllms_cuda_profiler_and_leaves_the_note(t
 
 # -- weights by collective: the worker's staging (a real gloo group, in this process) -----------
 def collective_transfer(port: int, state: dict) -> CollectiveTransfer:
-    from serve_app.weight_wire import meta_of
+    from serve_app.weight_wire import meta_of, new_secret
 
     return CollectiveTransfer(
         address="127.0.0.1",
         port=port,
         group="sync-1",
+        secret=new_secret(),
         bucket_bytes=1 << 10,  # several buckets for these tensors
         tensors=[meta_of(n, t) for n, t in state.items()],
     )
@@ -186,19 +187,14 @@ def collective_transfer(port: int, state: dict) -> CollectiveTransfer:
 
 def received(weights: WorkerWeights, state: dict) -> CollectiveTransfer:
     """`state` broadcast by a publisher (rank 0, on a thread) to `weights` as rank 1 of 2."""
-    import datetime
+    from serve_app.weight_wire import host_store, host_sync, open_group, send
 
-    import torch.distributed as dist
-
-    from serve_app.net import free_port
-    from serve_app.weight_wire import open_group, send
-
-    port = free_port()
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=20))
-    transfer = collective_transfer(port, state)
+    store = host_store("127.0.0.1", 0, 20.0)
+    transfer = collective_transfer(store.port, state)
+    host_sync(store, transfer)
 
     def publish() -> None:
-        send(open_group(store, transfer.group, 0, 2, 20.0, "gloo"), transfer, state, torch.device("cpu"))
+        send(open_group(store, transfer, 0, 2, 20.0), transfer, state, torch.device("cpu"))
 
     publisher = threading.Thread(target=publish)
     publisher.start()
@@ -266,6 +262,71 @@ def test_a_load_that_fails_keeps_the_version_and_the_staged_weights():
     with pytest.raises(ValueError, match="shape mismatch"):
         weights.load(4, profiler, broken)
     assert profiler.version == 3 and weights.staged is not None and weights.served is None
+
+
+# -- the prefix cache across a weight switch -------------------------------------------------------
+class StandInLlm:
+    """What the engine's weight hooks call of vLLM's AsyncLLM, recorded; `resets` answers each
+    `reset_prefix_cache` in turn (an exception is raised, as vLLM's client raises one)."""
+
+    def __init__(self, *resets: bool | Exception):
+        self.resets = list(resets)
+        self.calls: list[str] = []
+
+    async def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        self.calls.append(f"reset running={reset_running_requests} connector={reset_connector}")
+        answer = self.resets.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    async def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list:
+        self.calls.append(method)
+        return [{"passes": {}, "recorded": {}}]
+
+    async def update_weight_version(self, version: str) -> None:
+        self.calls.append(f"version {version}")
+
+    async def resume_generation(self) -> None:
+        self.calls.append("resume")
+
+
+def weight_hooks(llm: StandInLlm) -> vllm_engine.VllmEngine:
+    """A VllmEngine's weight hooks around a stand-in AsyncLLM (nothing else of the engine is built)."""
+    engine = object.__new__(vllm_engine.VllmEngine)
+    engine._llm = llm
+    engine._stale_cache = False
+    return engine
+
+
+async def test_a_load_empties_the_prefix_cache_with_the_kept_requests_preempted_before_the_weights_change():
+    llm = StandInLlm(True)
+    await weight_hooks(llm)._load_weights(vllm_engine.StagedInWorkers(), 3)
+    assert llm.calls == ["reset running=True connector=True", "rollout_weights_load_staged", "version 3"]
+
+
+@pytest.mark.parametrize(
+    ("answer", "named"),
+    [(False, "KV connector refused to reset"), (RuntimeError("blocks in use"), "could not empty .*: blocks in use")],
+)
+async def test_a_refused_reset_fails_the_load_before_the_weights_change(answer, named):
+    llm = StandInLlm(answer)
+    with pytest.raises(RuntimeError, match=named):
+        await weight_hooks(llm)._load_weights(vllm_engine.StagedInWorkers(), 3)
+    assert llm.calls == ["reset running=True connector=True"], "the old weights serve on, with their own cache"
+
+
+async def test_an_adopted_version_whose_reset_fails_does_not_resume_until_a_reset_succeeds():
+    llm = StandInLlm(RuntimeError("blocks in use"), False, True)
+    engine = weight_hooks(llm)
+    with pytest.raises(RuntimeError, match="blocks in use"):
+        await engine._adopted(4)
+    with pytest.raises(RuntimeError, match="KV connector refused"):
+        await engine._resume()
+    assert "resume" not in llm.calls, "generation resumed next to the old weights' cache"
+    await engine._resume()
+    await engine._resume()  # reset once: the cache is clean now
+    assert llm.calls[-3:] == ["reset running=True connector=True", "resume", "resume"]
 
 
 # -- the engine RPC's argument mapping ----------------------------------------------------------

@@ -1,19 +1,20 @@
 """`engine: vllm`: vLLM's `AsyncLLM` inside the replica.
 
 * Profiling with `tool: torch` (`VllmWorkerProfiler`): this project's torch backend runs inside
-  vLLM's worker processes (serve_app/engines/vllm_worker.py, injected as vLLM's
-  `worker_extension_cls`), with a `forward_step#<i> step=<k> weight_version=<v>` range around
-  each engine iteration; the worker finalizes on its own thread and exports in the background.
+  vLLM's worker processes (serve_app/engines/vllm/worker.py, injected as vLLM's
+  `worker_extension_cls`), with a forward-step range (`profiling.markers`) around each engine
+  iteration; the worker finalizes on its own thread and exports in the background.
   With `tool: nsys`, vLLM's CUDA profiler (`cudaProfilerStart/Stop`) brackets the window for an
   `nsys --capture-range=cudaProfilerApi` around the app (`VllmCudaProfiler`).
 * Generation (`_stream`): each request's `SamplingSpec` becomes vLLM's `SamplingParams`
   (`vllm_sampling_params`); vLLM streams each step's new tokens when the caller streams, else
   sends one output at the end. Closing the stream aborts the request in vLLM.
-* Weights: pause (in-flight requests kept), the worker's `reload_weights` through the extension
-  (which sets the version its markers carry), reset the prefix cache, resume; the version is also
-  given to vLLM (`update_weight_version`), which labels every output token with the version that
-  sampled it: a sequence's last delta carries those exact spans
-  (docs/engines.md#vllm-weight-versions).
+* Weights: pause (in-flight requests kept), empty the prefix cache with the kept requests
+  preempted (they recompute their KV on the new weights), the worker's `reload_weights` through
+  the extension (which sets the version its markers carry), resume; the version is also given to
+  vLLM (`update_weight_version`), which labels every output token with the version that sampled
+  it: a sequence's last delta carries those exact spans (docs/engines.md#vllm-weight-versions,
+  docs/engines.md#vllm-prefix-cache).
 * Weights by collective (docs/engines.md#vllm-weights-by-collective): each worker joins the sync's
   group through the extension (`rollout_weights_receive`) and stages the tensors; the load then
   goes through vLLM's in-place reload as a path load does, with the same marker and counts.
@@ -44,7 +45,7 @@ from serve_app.config import AppArgs
 from serve_app.engines.base import PassCounts, RolloutEngine
 from serve_app.engines.engine_profiler import EngineProfiler
 from serve_app.engines.generation import GenerateDelta, GenerateRequest, SamplingSpec, TokenLogprobs
-from serve_app.engines.vllm_worker import EXTENSION, WorkerExport, WorkerStop, export_record
+from serve_app.engines.vllm.worker import EXTENSION, WorkerExport, WorkerStop, export_record
 from serve_app.openai_api import WeightVersionSpan
 from serve_app.weights import StateDict, stage_weights
 
@@ -371,6 +372,8 @@ class VllmEngine(RolloutEngine[Path | StagedInWorkers]):
             )
         )
         self._passes: PassCounts | None = None
+        # The prefix cache holds KV of weights no longer served (an adopted version's reset failed).
+        self._stale_cache = False
 
     async def _opened(self) -> None:
         await self._llm.collective_rpc("rollout_profiler_attach", args=(self.weight_version,))
@@ -418,12 +421,37 @@ class VllmEngine(RolloutEngine[Path | StagedInWorkers]):
         await self._llm.pause_generation(mode="keep", clear_cache=False)
 
     async def _resume(self) -> None:
+        if self._stale_cache:  # an adopted version's reset failed: no step runs on that cache
+            await self._reset_prefix_cache()
         await self._llm.resume_generation()
+
+    async def _reset_prefix_cache(self) -> None:
+        """Empty vLLM's prefix cache (and a KV connector's) while generation is paused
+        (docs/engines.md#vllm-prefix-cache). Paused with mode "keep", the kept requests hold KV
+        blocks and a plain reset refuses: they are preempted (back to the queue with their output
+        so far, their KV recomputed on resume). RuntimeError naming vLLM's reason if it fails."""
+        try:
+            reset = await self._llm.reset_prefix_cache(reset_running_requests=True, reset_connector=True)
+        except Exception as e:
+            # vLLM raises when blocks stay in use even so (a request waiting for a remote KV transfer).
+            raise RuntimeError(
+                f"vLLM could not empty its prefix cache with its running requests preempted: {e}; publish "
+                "the version again once no request waits for a remote KV transfer"
+            ) from e
+        if not reset:  # the local cache is empty (vLLM raises otherwise): the connector refused
+            raise RuntimeError(
+                "vLLM's KV connector refused to reset its cache, which holds KV of the old weights; publish "
+                "the version again once the connector can reset (see its logs)"
+            )
+        self._stale_cache = False
 
     async def _read_weights(self, path: Path) -> Path:
         return path
 
     async def _load_weights(self, weights: Path | StagedInWorkers, version: int) -> None:
+        # Before the load: paused, no step computes KV in between, and a failed reset leaves the
+        # old weights serving with their own cache.
+        await self._reset_prefix_cache()
         if isinstance(weights, StagedInWorkers):
             (loaded, *_) = await self._llm.collective_rpc("rollout_weights_load_staged", args=(version,))
         else:
@@ -432,7 +460,6 @@ class VllmEngine(RolloutEngine[Path | StagedInWorkers]):
                 "rollout_profiler_load_weights", kwargs={"weights_path": str(staged), "version": version}
             )
         self._passes = PassCounts(run=dict(loaded["passes"]), recorded=dict(loaded["recorded"]))
-        await self._llm.reset_prefix_cache()
         # vLLM's own label: completions' per-token versions and `_reported_version` agree with the app.
         await self._llm.update_weight_version(str(version))
 
@@ -469,10 +496,12 @@ class VllmEngine(RolloutEngine[Path | StagedInWorkers]):
 
     async def _adopted(self, version: int) -> None:
         """The trainer moved `version`'s weights itself and vLLM reports it: the workers' markers
-        and counts take it on, and no cached prefix computed on the old weights is reused."""
+        and counts take it on, and no cached prefix computed on the old weights is reused (while
+        the reset fails, generation stays paused: `_resume` retries it)."""
         (loaded, *_) = await self._llm.collective_rpc("rollout_weights_adopt", args=(version,))
         self._passes = PassCounts(run=dict(loaded["passes"]), recorded=dict(loaded["recorded"]))
-        await self._llm.reset_prefix_cache()
+        self._stale_cache = True  # the new weights serve already, next to the old weights' cache
+        await self._reset_prefix_cache()
 
     async def _weights_snapshot(self) -> StateDict:
         from safetensors.torch import load

@@ -58,7 +58,9 @@ class UpdateWeightsFromDiskBody(_Request):
 
     model_path: str
     weight_version: str
-    flush_cache: bool = True
+    flush_cache: Literal[False] = False
+    """The adapter flushes before the load (`/flush_cache`, while paused): SGLang's flush after it
+    would, refused, fail the update with the new weights already loaded."""
 
 
 class UpdateWeightsFromDiskAnswer(_Answer):
@@ -412,7 +414,10 @@ class SglangClient:
                     if event is None:
                         continue
                     if not isinstance(event, dict):
-                        raise SglangError(f"SGLang at {self.url} streamed an event this adapter cannot read on POST {route}: {line[:300]!r}")
+                        raise SglangError(
+                            f"SGLang at {self.url} streamed an event this adapter cannot read "
+                            f"on POST {route}: {line[:300]!r}"
+                        )
                     if isinstance(error := event.get("error"), dict):
                         code = error.get("code")
                         raise SglangError(

@@ -1,7 +1,7 @@
 """`engine: sglang`: an SGLang server (its own process, as SGLang runs) driven over its HTTP API.
 
 * Server: `sglang.url` if set, else the replica launches `sglang.server_command` as a child
-  process (serve_app/engines/sglang_server.py) and terminates it on shutdown.
+  process (serve_app/engines/sglang/server.py) and terminates it on shutdown.
 * Generation: `POST /generate` with the sequence's sampling as SGLang's `sampling_params`
   (`generate_body`), streamed as server-sent events when the caller streams; each chunk's
   `meta_info.weight_version` is the version of its tokens, and newer servers give exact
@@ -16,7 +16,10 @@
   continuous window) ends SGLang's recording before the load and starts a new one, named by the
   new version, after it, while generation is paused (docs/sglang.md#forward-steps-and-weight-versions).
 * Weights: pause (`retract`: in-flight requests are kept, their KV cache is recomputed with the
-  new weights), `POST /update_weights_from_disk` with `weight_version` and `flush_cache`, resume.
+  new weights), `POST /flush_cache` (checked: a refusal fails the update before the load),
+  `POST /update_weights_from_disk` with `weight_version`, resume; an adopted version (below) is
+  flushed likewise, and generation does not resume while its flush is refused
+  (docs/sglang.md#the-radix-cache-across-a-weight-update).
 * The trainer's own transfer (source external): a trainer reaches SGLang's distributed weight
   update through the app's `engine_rpc` (`ENGINE_RPC_ROUTES`: init/destroy the group, begin/end
   the update session, update_weights_from_distributed, update_weight_version); the app publishes
@@ -47,13 +50,13 @@ from profiling.backends.base import ProfilerBackend
 from profiling.backends.nsys_profiler import REPORT_WHERE
 from profiling.config import ProfileOptions
 from profiling.session import SessionSpec
-from profiling.step_ranges import SGLANG_FORWARD, count_engine_steps, sglang_recording, sglang_trace_version
+from profiling.step_ranges import count_engine_steps
 from profiling.store import atomic_write_text
 from serve_app.config import AppArgs
 from serve_app.engines.base import RolloutEngine
 from serve_app.engines.engine_profiler import EngineProfiler, EngineTrace
 from serve_app.engines.generation import GenerateDelta, GenerateRequest, TokenLogprobs
-from serve_app.engines.sglang_client import (
+from serve_app.engines.sglang.client import (
     BeginWeightUpdateBody,
     ContinueGenerationBody,
     DestroyWeightsUpdateGroupBody,
@@ -75,7 +78,8 @@ from serve_app.engines.sglang_client import (
     UpdateWeightVersionBody,
     WeightUpdateAnswer,
 )
-from serve_app.engines.sglang_server import SglangServer, wait_ready
+from serve_app.engines.sglang.server import SglangServer, wait_ready
+from serve_app.engines.sglang.trace_dialect import SGLANG_DIALECT
 from serve_app.openai_api import WeightVersionSpan
 from serve_app.weights import WeightsError, stage_weights
 
@@ -124,10 +128,7 @@ def rpc_body(method: str, args: tuple[object, ...], kwargs: dict[str, object]) -
 def start_profile_body(prefix: str, options: ProfileOptions, trace_dir: Path) -> StartProfileBody:
     """The `/start_profile` body for one recording named `prefix` (the options passed
     `SglangOptions.check_profiler`)."""
-    if options.tool == "nsys":
-        activities = ["CUDA_PROFILER"]
-    else:
-        activities = [_ACTIVITIES[a] for a in options.activities]
+    activities = ["CUDA_PROFILER"] if options.tool == "nsys" else [_ACTIVITIES[a] for a in options.activities]
     output_dir = trace_dir
     if options.tool == "npu":
         # torch_npu's trace handler names its output `<host>_<pid>_<ts>_ascend_pt/`, not by our
@@ -161,12 +162,12 @@ class SglangTrace(EngineTrace):
         firsts: dict[str, Path] = {}
         for path in sorted(paths):
             if path.name.endswith((".json", ".json.gz")):
-                firsts.setdefault(sglang_recording(path.name), path)
+                firsts.setdefault(SGLANG_DIALECT.recording_of(path.name), path)
         if firsts:
-            self.forward_steps = sum(count_engine_steps(p, SGLANG_FORWARD) for p in firsts.values())
+            self.forward_steps = sum(count_engine_steps(p, SGLANG_DIALECT.forward_range) for p in firsts.values())
             # Versions only grow within a window: ordered by number, not by file name (v10 < v9).
             self.weight_versions = sorted(
-                {v for p in firsts.values() if (v := sglang_trace_version(p.name)) is not None}
+                {v for p in firsts.values() if (v := SGLANG_DIALECT.file_version_of(p.name)) is not None}
             )
         return paths
 
@@ -175,8 +176,7 @@ class SglangProfiler(EngineProfiler):
     """One recording of SGLang's profiler, through `/start_profile` and `/stop_profile`: one SGLang
     recording per weight version the window sees (`split`)."""
 
-    # One forward step: the range SGLang's model runner opens around every forward.
-    step_range = SGLANG_FORWARD
+    trace_dialect = SGLANG_DIALECT
 
     def __init__(
         self, spec: SessionSpec, *, client: SglangClient, trace_dir: Path, loop: asyncio.AbstractEventLoop, version: int
@@ -439,6 +439,8 @@ class SglangEngine(RolloutEngine[Path]):
         )
         self._probe: asyncio.Future[None] | None = None
         self._recording: SglangProfiler | None = None
+        # SGLang's cache holds KV of weights no longer served (an adopted version's flush was refused).
+        self._stale_cache = False
 
     async def _stream(self, request: GenerateRequest) -> AsyncGenerator[GenerateDelta, None]:
         body = generate_body(request)
@@ -469,7 +471,25 @@ class SglangEngine(RolloutEngine[Path]):
         await self._client.call("/pause_generation", PauseGenerationBody(mode="retract"))
 
     async def _resume(self) -> None:
+        if self._stale_cache:  # an adopted version's flush was refused: no batch runs on that cache
+            await self._flush_cache("before generation resumes on the weights the trainer moved (it stays paused)")
         await self._client.call("/continue_generation", ContinueGenerationBody())
+
+    async def _flush_cache(self, when: str) -> None:
+        """Empty SGLang's radix cache while generation is paused, `when` naming the moment for the
+        error (docs/sglang.md#the-radix-cache-across-a-weight-update). SglangError when SGLang
+        refuses: a request is still in its running batch."""
+        resp = await self._client.call("/flush_cache", accept=(400,))
+        if resp.status_code == 400:
+            raise SglangError(
+                f"SGLang at {self._client.url} refused to flush its cache {when} (HTTP 400: {resp.text.strip()}): "
+                "it still runs a request (in its running batch, or compiling a grammar), whose KV would outlive the "
+                "weights that computed it; the replica's retract pause empties the running batch, so another client "
+                "paused the server in place or resumed it: let it serve this replica alone, then publish the "
+                "version again",
+                status=400,
+            )
+        self._stale_cache = False
 
     async def _read_weights(self, path: Path) -> Path:
         return path
@@ -482,6 +502,10 @@ class SglangEngine(RolloutEngine[Path]):
             await self._load(weights, version)
 
     async def _load(self, weights: Path, version: int) -> None:
+        # Before the load: paused, no batch computes KV in between, and a refusal leaves the old
+        # weights serving with their own cache (SGLang's flush after it would fail the update
+        # with the new weights loaded).
+        await self._flush_cache(f"before loading version {version} (version {self.weight_version} serves on)")
         staged = stage_weights(
             weights, self.trace_dir.with_name(f"{self.trace_dir.name}.weights")
         )  # SGLang loads a directory
@@ -499,11 +523,15 @@ class SglangEngine(RolloutEngine[Path]):
         return None if info.weight_version is None else _version(info.weight_version)
 
     async def _adopted(self, version: int) -> None:
-        """The trainer loaded `version` through SGLang's own update (which flushed SGLang's cache):
-        a continuous window's recording is split at the version, as for a load from disk."""
+        """The trainer loaded `version` through SGLang's own update: a continuous window's
+        recording is split at the version, as for a load from disk, and SGLang's cache is flushed
+        again (that update's own flush may have been refused); while it is refused, generation
+        stays paused (`_resume` retries it)."""
         recording = self._recording
         if recording is not None and recording.recording:
             await recording.split(_loaded_already, version)
+        self._stale_cache = True
+        await self._flush_cache(f"after the trainer's update to version {version} (generation stays paused)")
 
     async def _engine_rpc(self, method: str, *args: object, **kwargs: object) -> object:
         """One of SGLang's weight routes (`ENGINE_RPC_ROUTES`); SGLang's answer, or SglangError

@@ -7,7 +7,7 @@ version, and only while admission is open. Profiled in process (torch, npu or ns
 
 Each request is one sequence (serve_app/engines/generation.py): it waits in a pending queue until
 the running batch ends, then joins the next batch's prefill. After each forward pass the sampler
-(serve_app/engines/sampler.py) picks every sequence's token, and the control thread hands the
+(serve_app/engines/transformers/sampler.py) picks every sequence's token, and the control thread hands the
 sequence's deltas to the request's event loop, each tagged with the weight version of the pass
 that produced it. A consumer that goes away marks its sequence aborted; the next engine step
 drops it from the batch (a batch whose sequences all ended ends).
@@ -37,7 +37,7 @@ from serve_app.api import CollectiveTransfer
 from serve_app.config import AppArgs
 from serve_app.engines.base import PassCounts, RolloutEngine
 from serve_app.engines.generation import GenerateDelta, GenerateRequest, TokenLogprobs
-from serve_app.engines.sampler import Finish, Sampled, SequenceSampler, prompt_logprobs, sample_batch
+from serve_app.engines.transformers.sampler import Finish, Sampled, SequenceSampler, prompt_logprobs, sample_batch
 from serve_app.weights import StateDict, WeightsError, read_state_dict
 
 log = logging.getLogger(__name__)
@@ -175,7 +175,7 @@ class TransformersEngine(RolloutEngine[StateDict]):
             v = self.weight_version
             self._forwards_by_version[v] = self._forwards_by_version.get(v, 0) + 1
             self._advance(batch, out.logits, v)
-        except Exception as e:  # noqa: BLE001 - fail this batch's requests, keep serving
+        except Exception as e:
             log.exception("engine step failed")
             self._send([(s, e) for s in batch.seqs if s.live])
             self._batch = None
@@ -291,7 +291,7 @@ class TransformersEngine(RolloutEngine[StateDict]):
 
         def receive() -> StateDict:
             store = weight_wire.connect_store(transfer.address, transfer.port, timeout_s)
-            group = weight_wire.open_group(store, transfer.group, first_rank, world_size, timeout_s, transfer.backend)
+            group = weight_wire.open_group(store, transfer, first_rank, world_size, timeout_s)
             # Each tensor is a view into its bucket's buffer, which the broadcast filled: no copy.
             return dict(weight_wire.receive(group, transfer, torch.device("cpu")))
 

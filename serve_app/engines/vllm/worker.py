@@ -4,8 +4,8 @@ into every vLLM worker through `worker_extension_cls` (docs/engines.md#vllm-work
 vLLM runs the model in worker processes (one per tensor-parallel rank) that the replica reaches
 only through `collective_rpc`. The extension gives each worker:
 
-* a `forward_step#<i> step=<k> weight_version=<v>` range around every engine iteration that runs
-  a forward pass while recording: the same contract as the embedded engine and the trainer; the
+* a forward-step range (`profiling.markers`) around every engine iteration that runs a forward
+  pass while recording: the same contract as the embedded engine and the trainer; the
   version is set when weights load (`rollout_profiler_load_weights`), the step at start;
 * this project's torch backend (`profiling.backends.torch_profiler`) instead of vLLM's profiler:
   start and finalize on the worker's own thread (torch.profiler records per thread), the export
@@ -42,6 +42,7 @@ from pydantic import BaseModel
 from profiling.backends.torch_profiler import TRACE_FILE, TorchProfilerBackend, quiet_kineto_env
 from profiling.config import ProfileOptions
 from profiling.manifest import AutoStop, ClockSample
+from profiling.markers import format_forward_step, format_weight_update
 from profiling.store import atomic_write_text
 from profiling.trace_budget import TraceCut
 from serve_app.api import CollectiveTransfer
@@ -121,7 +122,7 @@ class WorkerProfiler:
             if window is None or window.auto_stopped is not None:
                 return execute_model(scheduler_output)
             n = window.forward_steps
-            with window.backend.mark(f"forward_step#{n} step={window.step} weight_version={v}"):
+            with window.backend.mark(format_forward_step(n, window.step, v)):
                 out = execute_model(scheduler_output)
             window.forward_steps = n + 1
             self.recorded[v] = self.recorded.get(v, 0) + 1
@@ -164,7 +165,7 @@ class WorkerProfiler:
     def load_weights(self, version: int, load: Callable[[], None]) -> None:
         window = self.window
         if window is not None and window.auto_stopped is None:
-            with window.backend.mark(f"weight_update version={version}"):
+            with window.backend.mark(format_weight_update(version)):
                 load()
         else:
             load()
@@ -219,7 +220,7 @@ class WorkerWeights:
         returns the bytes received. Whatever was staged before is dropped first."""
         self.staged = None
         store = connect_store(transfer.address, transfer.port, timeout_s)
-        group = open_group(store, transfer.group, rank, world_size, timeout_s, transfer.backend)
+        group = open_group(store, transfer, rank, world_size, timeout_s)
         staged = dict(receive(group, transfer, device))
         # The group is the sync's alone: dropped with these references, as the publisher drops its.
         del group, store

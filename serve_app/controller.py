@@ -1,0 +1,159 @@
+"""The app's controller: the one replica that carries out every control call (docs/design.md#control-path).
+
+The ingress replicas (any number of them) take the HTTP routes and forward each control call
+here by handle, so the calls of every ingress meet one lock, one desired state, one watchdog and
+one record of each step. Generation never reaches this deployment, so no control call queues
+behind it. Each call runs to completion whatever happens to the request that asked for it
+(serve_app/control/shielded.py), and the desired state is recorded durably
+(serve_app/desired_state.py): a controller that restarts carries on where it stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import ray
+from prometheus_client import generate_latest
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+from ray.serve.schema import ApplicationStatus
+
+from profiling.manifest import StepManifest
+from profiling.store import StorageError, TraceStore
+from serve_app.api import (
+    ClockResponse,
+    EngineRpcReport,
+    InClusterWeightsRequest,
+    StartProfileRequest,
+    StartProfileResponse,
+    StatusResponse,
+    StepsResponse,
+    StopProfileRequest,
+    StopProfileResponse,
+    UpdateWeightsRequest,
+    UpdateWeightsResponse,
+)
+from serve_app.config import AppArgs
+from serve_app.control.fleet import Fleet
+from serve_app.control.profile_control import ProfileControl
+from serve_app.control.shielded import ShieldedCalls
+from serve_app.control.step_records import StepRecords
+from serve_app.control.weight_control import WeightControl
+from serve_app.desired_state import DesiredState, DesiredStateRecord
+from serve_app.metrics import refresh_exports, refresh_fleet
+from serve_app.trace_collection import create_collector
+
+log = logging.getLogger(__name__)
+
+SCRAPE_STATUS_TIMEOUT_S = 3.0
+"""How long a scrape waits for the replicas' status: well under Prometheus' default 10 s scrape
+timeout, so a slow or dead replica shows as `up 0` instead of failing the whole scrape."""
+SCRAPE_STATUS_MAX_AGE_S = 1.0
+"""Scrapes within this long of a status broadcast reuse it: many scrapers cost one broadcast."""
+
+
+class RolloutController:
+    """Profile and weight control of every rollout replica, for every ingress replica."""
+
+    async def __init__(self, replicas: DeploymentHandle, args: AppArgs, deployment_id: str):  # type: ignore[misc]  # Serve awaits it
+        """`deployment_id`: made by the application builder, new for each deployment of the app:
+        the key of its durable desired state."""
+        self._app_name = app_name = serve.get_replica_context().app_name
+        # Created here, so it lives on this node: the one whose save_path the manifests name.
+        self._collector = create_collector(app_name, args.save_path) if args.trace_collection == "ray" else None
+        self._fleet = Fleet(
+            replicas,
+            DesiredStateRecord(app_name, deployment_id),
+            control_timeout_s=args.control_timeout_s,
+            hold_timeout_s=args.hold_timeout_s,
+        )
+        await self._fleet.load(args.resume_state)
+        self.records = StepRecords(
+            TraceStore(args.save_path, merge_on_complete=args.merge_on_complete),
+            args.min_free_disk_mb,
+            args.keep_steps,
+        )
+        self.profile = ProfileControl(self._fleet, self.records, args)
+        self.weights = WeightControl(self._fleet, args)
+        self._calls = ShieldedCalls()
+        # A restart mid-step resumes it (its watchdog, replicas that missed it, its record), in the
+        # background: replicas that are starting wait for this constructor to answer them.
+        self.records.background(self._calls.run("recover", self.profile.recover))
+
+    # -- /profile/* -----------------------------------------------------------------------------
+    async def start_profile(self, req: StartProfileRequest) -> StartProfileResponse:
+        return await self._calls.run("start", lambda: self.profile.start(req))
+
+    async def stop_profile(self, req: StopProfileRequest) -> StopProfileResponse:
+        return await self._calls.run("stop", lambda: self.profile.stop(req))
+
+    async def status(self) -> StatusResponse:
+        return await self.profile.status()
+
+    async def clock(self) -> ClockResponse:
+        """The app's reference clock: this process's (every replica's offset is measured against it)."""
+        return ClockResponse(time_ns=time.time_ns())
+
+    async def steps(self) -> StepsResponse:
+        return await self.records.steps()
+
+    async def step(self, k: int) -> StepManifest:
+        return await self.records.step(k)
+
+    # -- /weights/* and the in-cluster calls ----------------------------------------------------
+    async def update_weights(self, req: UpdateWeightsRequest) -> UpdateWeightsResponse:
+        return await self._calls.run("update_weights", lambda: self.weights.update_weights(req))
+
+    async def update_weights_in_cluster(
+        self, req: InClusterWeightsRequest, refs: list[ray.ObjectRef]
+    ) -> UpdateWeightsResponse:
+        return await self._calls.run("update_weights", lambda: self.weights.update_weights_in_cluster(req, refs))
+
+    async def engine_rpc(
+        self, method: str, args: list[Any], kwargs: dict[str, Any], timeout_s: float | None
+    ) -> list[EngineRpcReport]:
+        # Not shielded: a trainer's own RPC, which the trainer alone knows how to repeat or undo.
+        return await self.weights.engine_rpc(method, args, kwargs, timeout_s)
+
+    # -- what replicas and ingresses ask ----------------------------------------------------------
+    async def desired_state(self) -> DesiredState:
+        """The desired state, for a replica that starts or checks that it converged."""
+        return await self._fleet.desired()
+
+    async def weights_refs(self) -> list[ray.ObjectRef]:
+        """The object-store ref of the served weights (`[ref]`; empty after this controller restarted)."""
+        return self._fleet.weights_refs
+
+    async def metrics(self) -> str:
+        """Prometheus text of the control plane, with the replicas' state as of now."""
+        try:
+            await asyncio.to_thread(refresh_exports, self.records.store)  # reads manifests: off the loop
+        except (OSError, StorageError):  # save_path unreadable or a record corrupt: the export series wait
+            log.exception("metrics: could not read manifests under %s", self.records.store.root)
+        try:
+            fleet = await self.profile.recent_status(SCRAPE_STATUS_MAX_AGE_S, timeout_s=SCRAPE_STATUS_TIMEOUT_S)
+        except Exception:
+            log.exception("metrics: could not read the replicas' status; serving without it")
+            fleet = None
+        refresh_fleet(fleet)
+        return generate_latest().decode()
+
+    async def __del__(self) -> None:
+        # The durable record stays for `resume_state` (the next deployment drops it otherwise);
+        # the collector goes with the app, and only with it: a controller moved off a drained
+        # node leaves it to its successor.
+        if self._collector is not None and await _app_is_deleting(self._app_name):
+            ray.kill(self._collector)
+
+
+async def _app_is_deleting(app_name: str) -> bool:
+    """Whether Serve is deleting `app_name` (also when its status cannot be read)."""
+    try:
+        status = await asyncio.to_thread(serve.status)
+        app = status.applications.get(app_name)
+        return app is None or app.status == ApplicationStatus.DELETING
+    except Exception:  # noqa: BLE001 - Serve itself shutting down
+        return True
