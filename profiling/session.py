@@ -18,25 +18,22 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Executor, Future
-from pathlib import Path
+from concurrent.futures import Executor
 from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from profiling.backends import ProfilerBackend, RecordedTrace, create_backend
+from profiling.backends import ProfilerBackend, create_backend
 from profiling.config import ProfileOptions
+from profiling.exports import Exports
 from profiling.manifest import AutoStop, ClockSync, ManifestEntry
 from profiling.markers import format_forward_step, format_weight_update
-from profiling.memory import release_freed_memory
 from profiling.store import TraceStore
-from profiling.trace_budget import MIB, StepSizeEstimate, budget_bytes, json_bytes_over
+from profiling.version_windows import VersionWindows
 
 SessionState = Literal["idle", "profiling", "capped", "exporting"]
-_KEEP_EXPORTS = 16
 
 
 class SessionConflict(RuntimeError):
@@ -84,24 +81,14 @@ class ProfileSession:
     ):
         self._store = store
         self._identity = entry_identity
-        self._exporter = exporter
         self._backend_factory = backend_factory
         self._state: Literal["idle", "profiling", "capped"] = "idle"
         self._spec: SessionSpec | None = None
         self._backend: ProfilerBackend | None = None
         self._entry: ManifestEntry | None = None
         self._deadline: float | None = None
-        self._exports: dict[int, Future[ManifestEntry]] = {}
-        self._annotations: dict[int, dict[str, object]] = {}
-        # Step -> the entry its export wrote: set under the lock in the same breath as the write,
-        # so an annotation is applied either by the export or after it, never lost in between.
-        self._written: dict[int, ManifestEntry] = {}
-        self._step_sizes = StepSizeEstimate()
-        self._lock = threading.Lock()
-        self._recorded_by_version: dict[int, int] = {}
-        # Weight version -> the last window that started on it; windows a weight load fell in.
-        self._started_on: dict[int, int] = {}
-        self._spanning: set[int] = set()
+        self._exports = Exports(store, exporter)
+        self._versions = VersionWindows()
 
     # -- read from any thread ----------------------------------------------------------------
     @property
@@ -116,8 +103,7 @@ class ProfileSession:
 
     @property
     def exports_pending(self) -> int:
-        with self._lock:
-            return sum(not f.done() for f in self._exports.values())
+        return self._exports.pending_count
 
     @property
     def forward_steps(self) -> int:
@@ -125,34 +111,21 @@ class ProfileSession:
 
     def recorded_by_version(self) -> dict[int, int]:
         """Forward steps recorded (`forward_step` while recording), by weight version."""
-        return dict(self._recorded_by_version)
+        return self._versions.recorded_by_version()
 
     def step_started_on(self, version: int) -> int | None:
         """The window that started on weights `version` and recorded them alone: closed, and no
         weight load fell inside it (None: there is none)."""
-        step = self._started_on.get(version)
-        if step is None or step == self.active_step or step in self._spanning:
-            return None
-        return step
+        return self._versions.step_started_on(version, self.active_step)
 
     def annotate(self, step: int, **fields: object) -> None:
         """Add fields to `step`'s entry (e.g. the sync cost known only after the stop), whether
         its export is still running or already done."""
-        with self._lock:
-            self._annotations.setdefault(step, {}).update(fields)
-            written = self._written.get(step)
-            if written is None:
-                return  # the export applies the annotations when it writes the entry
-            # every annotation so far: the export's entry does not hold the later ones
-            entry = written.model_copy(update=self._annotations[step])
-            self._store.write_entry(step, entry)
-        self._store.refresh_manifest(step)
+        self._exports.annotate(step, **fields)
 
     def wait_exported(self, step: int, timeout: float | None = None) -> ManifestEntry | None:
         """The final entry of `step` once its export is done (None: this process has none)."""
-        with self._lock:
-            fut = self._exports.get(step)
-        return fut.result(timeout) if fut else None
+        return self._exports.wait(step, timeout)
 
     # -- model thread --------------------------------------------------------------------------
     def start(self, spec: SessionSpec, weight_version: int) -> bool:
@@ -185,12 +158,9 @@ class ProfileSession:
         except BaseException:
             backend.stop()
             raise
-        with self._lock:  # a step number recorded again starts from no annotations
-            self._annotations.pop(spec.step, None)
-            self._written.pop(spec.step, None)
+        self._exports.restart(spec.step)
         self._spec, self._backend, self._entry, self._state = spec, backend, entry, "profiling"
-        self._started_on[weight_version] = spec.step
-        self._spanning.discard(spec.step)
+        self._versions.started(spec.step, weight_version)
         limit = spec.options.max_duration_s
         self._deadline = time.monotonic() + limit if limit else None
         return True
@@ -224,12 +194,12 @@ class ProfileSession:
         self._state = "idle"
         # Registered before the acknowledgement: whoever asks for the export next must wait
         # for it, not find nothing because the finalize has not started yet.
-        pending = self._pending_export(step) if was_recording else None
+        pending = self._exports.pending(step) if was_recording else None
         if on_closed:
             on_closed(outcome)
         if pending is not None:
             assert backend is not None
-            self._finish_recording(spec, backend, entry, pending)
+            self._exports.finish(spec.step, spec.options, backend, entry, pending)
         return outcome
 
     @contextlib.contextmanager
@@ -242,22 +212,18 @@ class ProfileSession:
         n = self._entry.forward_steps
         with self._backend.mark(format_forward_step(n, self._spec.step, weight_version)):
             yield
-        self._entry.forward_steps = n + 1
-        self._recorded_by_version[weight_version] = self._recorded_by_version.get(weight_version, 0) + 1
-        if weight_version not in self._entry.weight_versions:
-            self._entry.weight_versions.append(weight_version)
+        self._versions.count(self._entry, weight_version)
         limit = self._spec.options.max_forward_steps
         if limit is not None and n + 1 >= limit:
             self._cap("max_forward_steps")
-        elif self._step_sizes.next_step_overflows(self._spec.options, n + 1):
+        elif self._exports.step_sizes.next_step_overflows(self._spec.options, n + 1):
             self._cap("max_trace_mb")
         else:
             self.check_deadline()
 
     def note_weight_load(self) -> None:
         """The engine loads new weights now: the active window (if any) spans two versions."""
-        if self._spec is not None:
-            self._spanning.add(self._spec.step)
+        self._versions.weight_load(self.active_step)
 
     def mark_weight_update(self, version: int, apply: Callable[[], None]) -> None:
         """Run `apply` (the weight swap) inside a trace range, if recording."""
@@ -275,90 +241,9 @@ class ProfileSession:
 
     # -- internals -----------------------------------------------------------------------------
     def _cap(self, reason: AutoStop) -> None:
-        assert self._entry is not None
-        assert self._spec is not None and self._backend is not None
+        assert self._entry is not None and self._spec is not None and self._backend is not None
         self._entry.auto_stopped = reason
         self._entry.stopped_at = time.time()
         self._state = "capped"
-        self._finish_recording(self._spec, self._backend, self._entry, self._pending_export(self._spec.step))
-
-    def _pending_export(self, step: int) -> Future[ManifestEntry]:
-        pending: Future[ManifestEntry] = Future()
-        with self._lock:
-            self._exports[step] = pending
-            # Keep the last few steps' results (late export reports); forget older ones.
-            for old in [k for k, f in self._exports.items() if f.done()][:-_KEEP_EXPORTS]:
-                del self._exports[old]
-                self._annotations.pop(old, None)
-                self._written.pop(old, None)
-        return pending
-
-    def _finish_recording(
-        self, spec: SessionSpec, backend: ProfilerBackend, entry: ManifestEntry, pending: Future[ManifestEntry]
-    ) -> None:
-        """Finalize the profiler (on this, the model thread) and export in the background;
-        `pending` gets the final entry."""
-        clock = backend.sample_clock("stop")
-        if clock is not None:
-            entry.clock = (entry.clock or ClockSync()).model_copy(update={"stop": clock})
-        t0 = time.perf_counter()
-        trace: RecordedTrace | None = None
-        try:
-            trace = backend.stop()
-        except Exception as e:  # noqa: BLE001 - recorded in the entry: the step stays accounted for
-            entry.status, entry.error = "error", f"profiler stop failed: {e!r}"
-        entry.finalize_s = time.perf_counter() - t0
-        fut = self._exporter.submit(self._export, spec, entry.model_copy(deep=True), trace)
-        fut.add_done_callback(lambda f: _resolve(pending, f))
-
-    def _export(self, spec: SessionSpec, entry: ManifestEntry, trace: RecordedTrace | None) -> ManifestEntry:
-        step = spec.step
-        t0 = time.perf_counter()
-        try:
-            if trace is None:  # the profiler's stop failed: nothing to write, the error is recorded
-                raise RuntimeError(entry.error)
-            paths = trace.export(self._store.entry_dir(step, entry))
-            release_freed_memory()  # the recording's events were just freed
-            entry.files = [self._store.relative(step, p) for p in paths]
-            entry.bytes = sum(p.stat().st_size for p in paths)
-            if trace.forward_steps is not None:
-                entry.forward_steps = trace.forward_steps
-            if trace.weight_versions is not None:
-                entry.weight_versions = trace.weight_versions
-            entry.auto_stopped = entry.auto_stopped or trace.auto_stopped
-            self._account_budget(spec.options, entry, trace, paths)
-        except Exception as e:  # noqa: BLE001 - any export failure is recorded, not raised
-            entry.status, entry.files = "error", []
-            entry.error = entry.error or f"trace export failed: {e!r}"
-        entry.exporting = False
-        entry.export_s = time.perf_counter() - t0
-        try:
-            with self._lock:
-                self._written[step] = entry
-                entry = entry.model_copy(update=self._annotations.get(step, {}))
-                self._store.write_entry(step, entry)
-            self._store.refresh_manifest(step)
-        except OSError as e:
-            entry.status, entry.error = "error", f"could not record the trace: {e}"
-        return entry
-
-    def _account_budget(
-        self, options: ProfileOptions, entry: ManifestEntry, trace: RecordedTrace, paths: list[Path]
-    ) -> None:
-        """Record the trace's size against `max_trace_mb` in its entry, and learn from it what a
-        forward step costs (for the next window's early stop)."""
-        if trace.trace_bytes is not None:
-            entry.trace_mb = round(trace.trace_bytes / MIB, 3)
-            self._step_sizes.learn(options, trace.trace_bytes, entry.forward_steps)
-        if trace.cut is not None and trace.cut.events_dropped:
-            entry.truncated, entry.forward_steps_kept = True, trace.cut.forward_steps_kept
-        elif trace.trace_bytes is None and (budget := budget_bytes(options)) is not None:
-            # An engine-owned trace: written by the engine, not ours to cut; flagged instead.
-            entry.over_budget = json_bytes_over(paths, budget)
-
-
-def _resolve(pending: Future[ManifestEntry], done: Future[ManifestEntry]) -> None:
-    if done.exception() is not None:
-        pending.set_exception(done.exception())
-    else:
-        pending.set_result(done.result())
+        step = self._spec.step
+        self._exports.finish(step, self._spec.options, self._backend, self._entry, self._exports.pending(step))

@@ -25,7 +25,7 @@ from profiling.manifest import ManifestEntry
 from profiling.session import ProfileSession, SessionConflict, SessionSpec
 from profiling.store import TraceStore
 from serve_app.admission import GenerationGate
-from serve_app.api import CollectiveTransfer, EngineRpcReport, PerReplica, ReplicaReport
+from serve_app.api import EngineRpcReport, PerReplica, ReplicaReport
 from serve_app.async_streams import merged
 from serve_app.choices import ChoiceBuilder, JobAccepted, JobDone, JobResult, PromptJob, choice_index, sampling_for
 from serve_app.config import AppArgs
@@ -37,8 +37,9 @@ from serve_app.openai_api import ChatChunkChoice, ChatCompletionRequest, Complet
 from serve_app.reconcile import Reconciler
 from serve_app.redact import app_redactor
 from serve_app.trace_collection import ShippingTraceStore, node_local_dir
-from serve_app.weights import WeightsError
-from serve_app.weights_transfer import keep_only, materialize_weights
+from serve_app.weights.collective_schema import CollectiveTransfer
+from serve_app.weights.object_store import keep_only, materialize_weights
+from serve_app.weights.safetensors_file import WeightsError
 
 log = logging.getLogger(__name__)
 

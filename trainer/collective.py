@@ -20,8 +20,9 @@ from typing import Literal
 
 import torch
 
-from serve_app import weight_wire
-from serve_app.api import CollectiveTransfer, UpdateWeightsRequest, UpdateWeightsResponse
+from serve_app.api import UpdateWeightsRequest, UpdateWeightsResponse
+from serve_app.weights import collective as weight_wire
+from serve_app.weights.collective_schema import CollectiveTransfer
 from trainer.client import RolloutClient, RolloutError
 
 _POLL_S = 0.01

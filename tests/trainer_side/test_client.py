@@ -123,7 +123,8 @@ async def test_a_control_call_waits_its_bound_on_the_app_not_the_read_timeout(fa
     """The app's control_timeout_s (from /profile/status) sizes each control call's wait: a stop
     answered after longer than the client's read timeout is waited for, not given up and
     repeated; a collective update waits a control timeout per bucket."""
-    from serve_app.api import CollectiveTransfer, TensorMeta, UpdateWeightsRequest, control_bound_s
+    from serve_app.api import UpdateWeightsRequest, control_bound_s
+    from serve_app.weights.collective_schema import CollectiveTransfer, TensorMeta
 
     fake.script[("GET", "/profile/status")] = [(200, {**STATUS_BODY, "control_timeout_s": 2.0})]
     fake.script[("POST", "/profile/stop")] = [(200, {"step": 1, "stopped": True})]

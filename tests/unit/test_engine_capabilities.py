@@ -24,7 +24,7 @@ from serve_app.engines.generation import GenerateDelta, GenerateRequest, Samplin
 from serve_app.engines.options import Capability, CapabilityMissing, EngineOptions
 from serve_app.engines.registry import ENGINE_OPTIONS
 from serve_app.errors import Refused
-from serve_app.weights import StateDict, read_state_dict
+from serve_app.weights.checkpoint import StateDict, read_state_dict
 from tools import engine_doc
 
 

@@ -8,7 +8,8 @@ The contracts (every import statement counts: at module level, inside functions,
   below it: profiling/ none of the others, serve_app/ neither trainer nor tools);
 * profiling/ imports neither Ray nor HTTP code (ray, fastapi, starlette, uvicorn, httpx, requests);
 * trainer/ imports from serve_app only the wire schema and the typed errors (serve_app.api,
-  serve_app.openai_api, serve_app.errors) and the collective wire protocol (serve_app.weight_wire);
+  serve_app.openai_api, serve_app.errors, serve_app.weights.collective_schema) and the collective wire
+  protocol (serve_app.weights.collective);
   trainer/local_app.py, the private local cluster, also serve_app.app, serve_app.net and
   serve_app.tiny_model;
 * the engine packages (serve_app.engines.transformers, .vllm, .sglang) are independent of each

@@ -48,7 +48,7 @@ from serve_app.engines.sglang.options import SglangOptions
 from serve_app.engines.sglang.server import SglangServer, wait_ready
 from serve_app.engines.sglang.trace_dialect import SGLANG_DIALECT
 from serve_app.net import free_port
-from serve_app.weights import WeightsError
+from serve_app.weights.safetensors_file import WeightsError
 
 RID = "replica-0"
 # `step<k>[-tag]-v<version>-<SGLang's profile_id: its clock>-TP-0.trace.json.gz`

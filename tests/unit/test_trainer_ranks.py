@@ -16,7 +16,7 @@ import pytest
 
 from profiling.manifest import ClockOffset, ManifestEntry, SessionRecord, StepManifest, SyncCost, TrainerRecord
 from profiling.store import TRAINER_RECORD, TraceStore
-from serve_app.weight_wire import connect_store
+from serve_app.weights.collective import connect_store
 from trainer.config import ConfigError, load_config
 from trainer.distributed import compose, host_rendezvous
 

@@ -21,10 +21,10 @@ from profiling.config import ProfileOptions
 from profiling.markers import parse_forward_step
 from profiling.session import SessionSpec
 from profiling.store import atomic_write_text
-from serve_app.api import CollectiveTransfer
 from serve_app.engines.vllm import engine as vllm_engine
 from serve_app.engines.vllm.engine import VllmCudaProfiler, WorkerTrace
 from serve_app.engines.vllm.worker import WorkerExport, WorkerProfiler, WorkerStop, WorkerWeights, export_record
+from serve_app.weights.collective_schema import CollectiveTransfer
 
 
 def iteration(tokens: int = 4) -> SimpleNamespace:
@@ -173,7 +173,7 @@ def test_nsys_brackets_the_window_with_vllms_cuda_profiler_and_leaves_the_note(t
 
 # -- weights by collective: the worker's staging (a real gloo group, in this process) -----------
 def collective_transfer(port: int, state: dict) -> CollectiveTransfer:
-    from serve_app.weight_wire import meta_of, new_secret
+    from serve_app.weights.collective import meta_of, new_secret
 
     return CollectiveTransfer(
         address="127.0.0.1",
@@ -187,7 +187,7 @@ def collective_transfer(port: int, state: dict) -> CollectiveTransfer:
 
 def received(weights: WorkerWeights, state: dict) -> CollectiveTransfer:
     """`state` broadcast by a publisher (rank 0, on a thread) to `weights` as rank 1 of 2."""
-    from serve_app.weight_wire import host_store, host_sync, open_group, send
+    from serve_app.weights.collective import host_store, host_sync, open_group, send
 
     store = host_store("127.0.0.1", 0, 20.0)
     transfer = collective_transfer(store.port, state)

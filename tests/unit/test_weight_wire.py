@@ -1,4 +1,4 @@
-"""The collective weight-transfer protocol (serve_app/weight_wire.py, serve_app/api.py): the
+"""The collective weight-transfer protocol (serve_app/weights/collective.py, collective_schema.py, buckets.py): the
 bucket plan both ends share, bit-exact delivery of every dtype to several receivers over a real
 gloo group, the closed rendezvous (a store on the named interface alone, every key sealed with the
 sync's secret: a second process without it can neither plant a world size nor join), and the
@@ -22,9 +22,11 @@ import torch.distributed as dist
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
-from serve_app import weight_wire
-from serve_app.api import ALIGN_BYTES, DTYPE_BYTES, CollectiveTransfer, TensorMeta, UpdateWeightsRequest, plan_buckets
+from serve_app.api import UpdateWeightsRequest
 from serve_app.ingress.builder import HIDDEN, create_fastapi_app
+from serve_app.weights import collective as weight_wire
+from serve_app.weights.buckets import plan_buckets
+from serve_app.weights.collective_schema import ALIGN_BYTES, DTYPE_BYTES, CollectiveTransfer, TensorMeta
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -108,8 +110,8 @@ def test_every_dtype_reaches_two_receivers_bit_exact():
 INTRUDER = r"""
 import datetime, json, sys
 import torch.distributed as dist
-from serve_app import weight_wire
-from serve_app.api import CollectiveTransfer
+from serve_app.weights import collective as weight_wire
+from serve_app.weights.collective_schema import CollectiveTransfer
 
 known = CollectiveTransfer.model_validate_json(sys.argv[1])  # all of the sync but its secret
 client = weight_wire.connect_store(known.address, known.port, 10)

@@ -1,4 +1,5 @@
-"""serve_app/weights.py with real safetensors files under tmp_path: which paths name one checkpoint,
+"""serve_app/weights/checkpoint.py (and safetensors_file.py) with real safetensors files under
+tmp_path: which paths name one checkpoint,
 the header-only check against the served model's checkpoint, and the messages of each refusal
 (cause and fix, no absolute path of the server)."""
 
@@ -15,10 +16,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from serve_app import weights
-from serve_app.weights import (
-    TensorInfo,
-    WeightsError,
+from serve_app.weights import checkpoint as weights
+from serve_app.weights.checkpoint import (
     check_checkpoint,
     checkpoint_files,
     checkpoint_tensors,
@@ -27,6 +26,7 @@ from serve_app.weights import (
     resolve_weights_path,
     stage_weights,
 )
+from serve_app.weights.safetensors_file import TensorInfo, WeightsError
 
 STATE = {
     "model.embed_tokens.weight": torch.randn(16, 4),

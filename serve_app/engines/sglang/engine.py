@@ -81,7 +81,8 @@ from serve_app.engines.sglang.client import (
 from serve_app.engines.sglang.server import SglangServer, wait_ready
 from serve_app.engines.sglang.trace_dialect import SGLANG_DIALECT
 from serve_app.openai_api import WeightVersionSpan
-from serve_app.weights import WeightsError, stage_weights
+from serve_app.weights.checkpoint import stage_weights
+from serve_app.weights.safetensors_file import WeightsError
 
 log = logging.getLogger(__name__)
 

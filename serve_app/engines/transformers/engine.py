@@ -32,13 +32,14 @@ from transformers.cache_utils import DynamicCache
 
 from profiling.backends.base import ProfilerBackend
 from profiling.session import SessionSpec, in_process_backend
-from serve_app import weight_wire
-from serve_app.api import CollectiveTransfer
 from serve_app.config import AppArgs
 from serve_app.engines.base import PassCounts, RolloutEngine
 from serve_app.engines.generation import GenerateDelta, GenerateRequest, TokenLogprobs
 from serve_app.engines.transformers.sampler import Finish, Sampled, SequenceSampler, prompt_logprobs, sample_batch
-from serve_app.weights import StateDict, WeightsError, read_state_dict
+from serve_app.weights import collective as weight_wire
+from serve_app.weights.checkpoint import StateDict, read_state_dict
+from serve_app.weights.collective_schema import CollectiveTransfer
+from serve_app.weights.safetensors_file import WeightsError
 
 log = logging.getLogger(__name__)
 

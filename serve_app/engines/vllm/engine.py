@@ -40,14 +40,14 @@ from profiling.backends.nsys_profiler import NsysCapture
 from profiling.backends.torch_profiler import TRACE_FILE
 from profiling.manifest import ClockSample
 from profiling.session import SessionSpec
-from serve_app.api import CollectiveTransfer
 from serve_app.config import AppArgs
 from serve_app.engines.base import PassCounts, RolloutEngine
 from serve_app.engines.engine_profiler import EngineProfiler
 from serve_app.engines.generation import GenerateDelta, GenerateRequest, SamplingSpec, TokenLogprobs
 from serve_app.engines.vllm.worker import EXTENSION, WorkerExport, WorkerStop, export_record
 from serve_app.openai_api import WeightVersionSpan
-from serve_app.weights import StateDict, stage_weights
+from serve_app.weights.checkpoint import StateDict, stage_weights
+from serve_app.weights.collective_schema import CollectiveTransfer
 
 if TYPE_CHECKING:
     from vllm import SamplingParams

@@ -13,7 +13,7 @@ only through `collective_rpc`. The extension gives each worker:
   ends a window in the worker itself;
 * forward passes counted by weight version, recorded or not, so the replica can say how many ran
   outside any window;
-* weights by collective (`WorkerWeights`): join the sync's group (serve_app/weight_wire.py), stage
+* weights by collective (`WorkerWeights`): join the sync's group (serve_app/weights/collective.py), stage
   the tensors it delivers without touching the served model, then load them through vLLM's own
   in-place reload (`reload_weights` with a weights iterator: the layerwise reload that also redoes
   the kernel repacking vLLM's CPU and quantized layers do after a load).
@@ -45,8 +45,8 @@ from profiling.manifest import AutoStop, ClockSample
 from profiling.markers import format_forward_step, format_weight_update
 from profiling.store import atomic_write_text
 from profiling.trace_budget import TraceCut
-from serve_app.api import CollectiveTransfer
-from serve_app.weight_wire import connect_store, open_group, receive
+from serve_app.weights.collective import connect_store, open_group, receive
+from serve_app.weights.collective_schema import CollectiveTransfer
 
 EXTENSION = f"{__name__}.ProfilingWorkerExtension"
 """vLLM's `worker_extension_cls` for this extension."""

@@ -1,4 +1,4 @@
-"""Weight files: where a request may point, what one checkpoint is, its tensors as its
+"""Weight checkpoints: where a request may point, what one checkpoint is, its tensors as its
 safetensors headers describe them (no tensor data read), and reading them (safetensors only).
 
 A weights path names one checkpoint: a `.safetensors` file, or a directory holding either one
@@ -19,14 +19,22 @@ import logging
 import os
 import shutil
 import stat
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
+
+from serve_app.weights.safetensors_file import (
+    REWRITE,
+    TensorInfo,
+    WeightsError,
+    open_regular,
+    pread,
+    read_header,
+    short_error,
+)
 
 log = logging.getLogger(__name__)
 
@@ -35,31 +43,10 @@ StateDict = dict[str, torch.Tensor]
 SUFFIX = ".safetensors"
 INDEX_SUFFIX = ".safetensors.index.json"
 
-# safetensors refuses larger headers (its MAX_HEADER_SIZE); an index is a small JSON file too.
-_MAX_HEADER_BYTES = 100_000_000
 _MAX_INDEX_BYTES = 100_000_000
-# Bits per element of each safetensors dtype (safetensors 0.8).
-_DTYPE_BITS = {
-    "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8,
-    "F8_E8M0": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "I16": 16, "U16": 16, "F16": 16, "BF16": 16,
-    "I32": 32, "U32": 32, "F32": 32, "C64": 64, "F64": 64, "I64": 64, "U64": 64,
-}  # fmt: skip
 _SHOWN = 3  # names listed per kind of problem; the count says how many there are
 
 _ONE_CHECKPOINT = f"one {SUFFIX} file, or the shards of one sharded checkpoint with its {INDEX_SUFFIX}"
-_REWRITE = "write it again with safetensors (save_file, save_model or save_pretrained)"
-
-
-class WeightsError(ValueError):
-    """A weights path a request gave cannot be used; the message says why and what to do."""
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    """One tensor as a safetensors header describes it."""
-
-    dtype: str  # the safetensors name: "F32", "BF16", ...
-    shape: tuple[int, ...]
 
 
 # -- the request's path ----------------------------------------------------------------------------
@@ -118,13 +105,6 @@ def checkpoint_files(path: Path) -> list[Path]:
     """The safetensors files of the one checkpoint `path` names (a file, or a directory: see the
     module's docstring), sorted; `WeightsError` if it names none or more than one."""
     return _locate(path, _root_of(path)).files
-
-
-def read_header(path: Path) -> dict[str, TensorInfo]:
-    """The tensors of one safetensors file, from its header alone: the 8-byte length and the JSON
-    header are read, the tensor data is not (only the file's size is compared with the header's
-    offsets, as safetensors does). `WeightsError` if the file is not valid safetensors."""
-    return _read_header(path, path.name)
 
 
 def checkpoint_tensors(path: Path) -> dict[str, TensorInfo]:
@@ -201,7 +181,7 @@ def read_state_dict(path: Path) -> StateDict:
             shard = load_file(str(f))
         except (SafetensorError, OSError) as e:
             log.warning("reading %s failed: %r", f, e)
-            raise WeightsError(f"{_label(f, root)} could not be read: {e}; {_REWRITE}") from e
+            raise WeightsError(f"{_label(f, root)} could not be read: {e}; {REWRITE}") from e
         if twice := sorted(shard.keys() & state.keys()):
             raise WeightsError(
                 f"tensor {twice[0]!r} is in both {source[twice[0]]} and {_label(f, root)} "
@@ -356,14 +336,14 @@ def _reference_checkpoint(reference: Path) -> _Checkpoint | None:
 def _read_index(index: Path, root: Path) -> dict[str, str]:
     """`weight_map` of a sharded checkpoint's index: tensor name -> shard file name."""
     where = _label(index, root)
-    with _open_regular(index, where) as (fd, size):
+    with open_regular(index, where) as (fd, size):
         if size > _MAX_INDEX_BYTES:
             raise WeightsError(f"{where} is {size} bytes, too large for an index; write the index again")
-        raw = _pread(fd, size, 0, where)
+        raw = pread(fd, size, 0, where)
     try:
         doc = json.loads(raw.decode("utf-8"))
     except (ValueError, RecursionError) as e:
-        raise WeightsError(f"{where} is not JSON ({_short(e)}); write the index again") from e
+        raise WeightsError(f"{where} is not JSON ({short_error(e)}); write the index again") from e
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise WeightsError(f"{where} has no weight_map (tensor name -> shard file); write the index again")
@@ -379,7 +359,7 @@ def _read_index(index: Path, root: Path) -> dict[str, str]:
 def _tensors(ckpt: _Checkpoint, root: Path) -> dict[str, TensorInfo]:
     """The tensors of a checkpoint, from its headers; with an index, each shard must hold exactly
     the tensors the index maps to it."""
-    headers = {f.name: _read_header(f, _label(f, root)) for f in ckpt.files}
+    headers = {f.name: read_header(f, _label(f, root)) for f in ckpt.files}
     if ckpt.index is not None and ckpt.weight_map is not None:
         wm = ckpt.weight_map
         absent = [f"{t} (in {s})" for t, s in sorted(wm.items()) if t not in headers[s]]
@@ -393,122 +373,3 @@ def _tensors(ckpt: _Checkpoint, root: Path) -> dict[str, TensorInfo]:
                 "checkpoint again with its index (save_pretrained), one checkpoint per directory"
             )
     return {t: info for h in headers.values() for t, info in h.items()}
-
-
-@contextmanager
-def _open_regular(p: Path, where: str) -> Iterator[tuple[int, int]]:
-    """(fd, size) of the regular file `p`: opened without blocking (O_NONBLOCK: a FIFO put there
-    after a check does not block the open) and checked before anything is read."""
-    try:
-        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as e:
-        raise WeightsError(f"{where} cannot be opened: {e.strerror or e}") from e
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise WeightsError(f"{where} is not a regular file; replace it with the file")
-        yield fd, st.st_size
-    finally:
-        os.close(fd)
-
-
-def _pread(fd: int, length: int, offset: int, where: str) -> bytes:
-    chunks: list[bytes] = []
-    got = 0
-    while got < length:
-        chunk = os.pread(fd, length - got, offset + got)
-        if not chunk:
-            raise WeightsError(f"{where} shrank while it was read; write it completely, then update")
-        chunks.append(chunk)
-        got += len(chunk)
-    return b"".join(chunks)
-
-
-def _read_header(p: Path, where: str) -> dict[str, TensorInfo]:
-    """The tensors of the safetensors file `p`: its 8-byte header length and JSON header are
-    read, its tensor data is not; the file's size must be what the header's offsets add up to."""
-
-    def bad(reason: str, fix: str = _REWRITE) -> WeightsError:
-        return WeightsError(f"{where} is not a readable safetensors file: {reason}; {fix}")
-
-    with _open_regular(p, where) as (fd, size):
-        if size < 8:
-            raise bad(f"it holds {size} bytes, fewer than the 8-byte header length")
-        n = int.from_bytes(_pread(fd, 8, 0, where), "little")
-        if n > _MAX_HEADER_BYTES:
-            raise bad(f"its header length reads {n} bytes, more than safetensors allows (not safetensors?)")
-        if 8 + n > size:
-            raise bad(f"its header length reads {n} bytes but only {size - 8} follow (cut short, or not safetensors?)")
-        raw = _pread(fd, n, 8, where)
-    try:
-        doc = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
-    except (ValueError, RecursionError) as e:
-        raise bad(f"its header is not JSON ({_short(e)})") from e
-    if not isinstance(doc, dict):
-        raise bad("its header is not a JSON object")
-    out: dict[str, TensorInfo] = {}
-    spans: list[tuple[int, int, str]] = []
-    for name, entry in doc.items():
-        if name == "__metadata__":
-            if not isinstance(entry, dict) or not all(isinstance(v, str) for v in entry.values()):
-                raise bad("its __metadata__ is not a map of strings")
-            continue
-        problem, info, begin, end = _entry(name, entry)
-        if problem or info is None:
-            raise bad(problem)
-        out[name] = info
-        spans.append((begin, end, name))
-    at = 0
-    for begin, end, name in sorted(spans):
-        if begin != at:
-            raise bad(f"tensor {name!r} starts at byte {begin} of the data, not {at} (overlap or gap)")
-        at = end
-    data = size - 8 - n
-    if at > data:
-        raise bad(
-            f"its tensor data is cut short: the header describes {at} bytes, the file holds {data}",
-            "copy the whole file (an unfinished copy or write?)",
-        )
-    if at < data:
-        raise bad(f"it holds {data - at} bytes after its last tensor")
-    return out
-
-
-def _entry(name: str, entry: object) -> tuple[str, TensorInfo | None, int, int]:
-    """(problem, info, begin, end) of one header entry; problem is "" when it is valid."""
-    if not isinstance(entry, dict):
-        return f"tensor {name!r} is described by {type(entry).__name__}, not an object", None, 0, 0
-    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if not isinstance(dtype, str) or dtype not in _DTYPE_BITS:
-        return f"tensor {name!r} has an unknown dtype {dtype!r}", None, 0, 0
-    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-        return f"tensor {name!r} has an invalid shape {shape!r}", None, 0, 0
-    if (
-        not isinstance(offsets, list)
-        or len(offsets) != 2
-        or not all(type(o) is int for o in offsets)
-        or not 0 <= offsets[0] <= offsets[1]
-    ):
-        return f"tensor {name!r} has invalid data_offsets {offsets!r}", None, 0, 0
-    bits = _DTYPE_BITS[dtype]
-    for d in shape:
-        bits *= d
-    if bits % 8 or bits // 8 != offsets[1] - offsets[0]:
-        span = offsets[1] - offsets[0]
-        return f"tensor {name!r} ({dtype} {shape}) takes {bits / 8:g} bytes, its data_offsets {span}", None, 0, 0
-    return "", TensorInfo(dtype, tuple(shape)), offsets[0], offsets[1]
-
-
-def _no_duplicates(pairs: Iterable[tuple[str, object]]) -> dict[str, object]:
-    out: dict[str, object] = {}
-    for k, v in pairs:
-        if k in out:
-            raise ValueError(f"key {k!r} twice")
-        out[k] = v
-    return out
-
-
-def _short(e: BaseException) -> str:
-    if isinstance(e, json.JSONDecodeError):
-        return f"{e.msg} at byte {e.pos}"
-    return str(e)[:200] or type(e).__name__

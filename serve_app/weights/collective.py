@@ -33,7 +33,8 @@ import torch.distributed as dist
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from serve_app.api import WORLD_SIZE_KEY, CollectiveTransfer, TensorMeta, plan_buckets
+from serve_app.weights.buckets import plan_buckets
+from serve_app.weights.collective_schema import WORLD_SIZE_KEY, CollectiveTransfer, TensorMeta
 
 CHECK_KEY = "check"
 """Store key (under the group's prefix, its name in the clear) whose value the publisher seals
