@@ -40,6 +40,7 @@ from profiling.backends.base import ProfilerBackend
 from profiling.manifest import ManifestEntry
 from profiling.session import BackendFactory, ProfileSession, SessionSpec, SessionState, StopOutcome
 from serve_app.config import AppArgs
+from serve_app.engines.admission import AdmissionHold
 from serve_app.engines.control_thread import ControlThread
 from serve_app.engines.generation import GenerateDelta, GenerateRequest
 from serve_app.engines.options import Capability
@@ -169,7 +170,6 @@ class RolloutEngine(HfTokenizerMixin, ABC, Generic[W]):
             raise TypeError(f"engine {args.engine} ({type(self).__name__}): {'; '.join(gaps)}")
         self._engine_name = args.engine
         self._built_profiler = args.profiler
-        self._hold_timeout_s = args.hold_timeout_s
         self._load_tokenizer(model_dir)
         self._open(args, model_dir)
         self._session = session_factory(self._profiler)
@@ -178,16 +178,15 @@ class RolloutEngine(HfTokenizerMixin, ABC, Generic[W]):
         )
         self._control = asyncio.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._held = False
-        self._hold_timer: asyncio.TimerHandle | None = None
-        self._hold_armed = 0
-        """Counts hold deadlines armed: an expiry that waited for the control lock while a load
-        renewed the deadline is stale."""
-        self._loading = 0
-        """Weight loads (reads, receives) under way: the hold's deadline waits for them."""
-        # (step, monotonic time) of a hold begun by the stop of `step`: its length goes to the entry.
-        self._sync_hold: tuple[int, float] | None = None
-        self._engine_paused = False
+        self._admission = AdmissionHold(
+            timeout_s=args.hold_timeout_s,
+            control=self._control,
+            # Looked up at each call: a test (or an engine) may replace the hooks after the build.
+            pause=lambda: self._pause(),
+            resume=lambda: self._resume(),
+            require_pause=lambda: self._options.require(Capability.PAUSE),
+            annotate=self._session.annotate,
+        )
         # Requests and generating/held/idle time per profiling window, for the step's entry.
         self._requests = RequestAccounting()
 
@@ -330,7 +329,7 @@ class RolloutEngine(HfTokenizerMixin, ABC, Generic[W]):
                     self._requests.open()
                 return started
             finally:
-                await self._release()
+                await self._admission.release()
 
     async def stop_profile(self, step: int | None, pause: bool) -> StopOutcome:
         """Stop recording `step` (None: only apply `pause`); answers once no further engine step
@@ -339,9 +338,9 @@ class RolloutEngine(HfTokenizerMixin, ABC, Generic[W]):
         await self._control.acquire()
         try:
             if pause:
-                if not self._held and step is not None and step == self.active_step:
-                    self._sync_hold = (step, time.monotonic())
-                await self._hold()
+                if step is not None and step == self.active_step:
+                    self._admission.begun_by_stop(step)
+                await self._admission.hold()
         except BaseException:
             self._control.release()
             raise
@@ -385,7 +384,7 @@ class RolloutEngine(HfTokenizerMixin, ABC, Generic[W]):
         if path is None or version == self.weight_version:
             await self._switch(version, None, resume)
             return time.perf_counter() - t0
-        async with self._covering_load():
+        async with self._admission.covering_load():
             # Names, dtypes and shapes from the headers, before any tensor is read or the engine paused.
             await asyncio.to_thread(check_checkpoint, Path(path), self.model_dir)
             weights = await self._read_weights(Path(path))
@@ -400,7 +399,7 @@ class RolloutEngine(HfTokenizerMixin, ABC, Generic[W]):
         path, so generation goes on meanwhile. A failure leaves nothing staged."""
         t0 = time.perf_counter()
         try:
-            async with self._covering_load():
+            async with self._admission.covering_load():
                 await self._receive_weights(transfer, first_rank, world_size, timeout_s)
         except BaseException:
             await self._drop_staged()
@@ -412,7 +411,7 @@ class RolloutEngine(HfTokenizerMixin, ABC, Generic[W]):
         same pause, hold and resume), then forget it; returns seconds spent."""
         t0 = time.perf_counter()
         try:
-            async with self._covering_load():
+            async with self._admission.covering_load():
                 weights = await self._staged_weights() if version != self.weight_version else None
                 await self._switch(version, weights, resume)
         finally:
@@ -438,7 +437,7 @@ class RolloutEngine(HfTokenizerMixin, ABC, Generic[W]):
                 f"the engine reports weight version {reported}, not {version}: finish the transfer of version "
                 f"{version} into the engine (and set its weight version) before publishing it"
             )
-        async with self._covering_load():  # the trainer's own load just ended: a hold counts from here
+        async with self._admission.covering_load():  # the trainer's own load just ended: a hold counts from here
             await self._switch(version, _ADOPTED, resume)
 
     async def weights_snapshot(self) -> StateDict:
@@ -460,7 +459,7 @@ class RolloutEngine(HfTokenizerMixin, ABC, Generic[W]):
                 self._session.note_weight_load()
                 # No engine step between the old version's and the new one's (an engine that
                 # cannot pause loads between its own steps).
-                if not self._held and self._options.has(Capability.PAUSE):
+                if not self._admission.held and self._options.has(Capability.PAUSE):
                     await self._pause_engine()
                     paused_here = True
                 try:
@@ -480,11 +479,11 @@ class RolloutEngine(HfTokenizerMixin, ABC, Generic[W]):
             if not resume:
                 # Hold for the /profile/start that follows, straight from the load's pause: not
                 # one engine step may run unprofiled on `version` in between.
-                await self._hold()
+                await self._admission.hold()
             elif paused_here:
                 await self._resume_engine()
             else:
-                await self._release()
+                await self._admission.release()
 
     async def _count_outside(self, replaced: int) -> None:
         """Record, in the entry of the window that recorded weights `replaced` alone, how many
@@ -509,7 +508,7 @@ class RolloutEngine(HfTokenizerMixin, ABC, Generic[W]):
     @property
     def paused(self) -> bool:
         """Whether admission of new engine steps is held."""
-        return self._held
+        return self._admission.held
 
     def status(self) -> EngineStatus:
         return EngineStatus(
@@ -526,8 +525,7 @@ class RolloutEngine(HfTokenizerMixin, ABC, Generic[W]):
         return self._thread.alive() and self._healthy()
 
     async def shutdown(self) -> None:
-        if self._hold_timer is not None:
-            self._hold_timer.cancel()
+        self._admission.cancel()
         await asyncio.to_thread(self._thread.shutdown)
         await self._close()
 
@@ -539,77 +537,12 @@ class RolloutEngine(HfTokenizerMixin, ABC, Generic[W]):
         return await asyncio.wrap_future(self._thread.submit(fn))
 
     async def _pause_engine(self) -> None:
-        await self._pause()
-        self._engine_paused = True
+        await self._admission.pause_engine()
         self._requests.paused(True)
 
     async def _resume_engine(self) -> None:
-        await self._resume()
-        self._engine_paused = False
+        await self._admission.resume_engine()
         self._requests.paused(False)
-
-    async def _hold(self) -> None:
-        """Admit no engine step until the next start or resuming update, or until hold_timeout_s
-        after the hold began or after the weight load it covered ended: a stop or update while
-        held keeps that deadline, so no caller can stretch a hold by repeating them."""
-        if self._held:
-            return
-        self._options.require(Capability.PAUSE)
-        if not self._engine_paused:
-            await self._pause_engine()
-        self._held = True
-        if not self._loading:
-            self._arm_hold_deadline()
-
-    def _arm_hold_deadline(self) -> None:
-        """The hold ends hold_timeout_s from now (unless a start or resuming update ends it first)."""
-        self._disarm_hold_deadline()
-        armed = self._hold_armed
-        self._hold_timer = asyncio.get_running_loop().call_later(
-            self._hold_timeout_s, lambda: asyncio.ensure_future(self._hold_expired(armed))
-        )
-
-    def _disarm_hold_deadline(self) -> None:
-        if self._hold_timer is not None:
-            self._hold_timer.cancel()
-            self._hold_timer = None
-        self._hold_armed += 1  # an expiry already waiting for the control lock is stale now
-
-    @contextlib.asynccontextmanager
-    async def _covering_load(self) -> AsyncIterator[None]:
-        """While weights are read, received or loaded, a hold's deadline does not run: a load longer
-        than hold_timeout_s must not resume generation before the start that follows it (forward
-        passes on the new weights would run unprofiled). The deadline restarts when it ends."""
-        self._loading += 1
-        self._disarm_hold_deadline()
-        try:
-            yield
-        finally:
-            self._loading -= 1
-            if self._held and not self._loading:
-                self._arm_hold_deadline()
-
-    async def _hold_expired(self, armed: int) -> None:
-        async with self._control:
-            if self._held and armed == self._hold_armed:
-                log.warning("admission hold expired without a weight update or start; resuming")
-                try:
-                    await self._release()
-                except Exception:
-                    log.exception(
-                        "resuming after the admission hold expired failed; holding %ss more", self._hold_timeout_s
-                    )
-                    self._arm_hold_deadline()
-
-    async def _release(self) -> None:
-        self._disarm_hold_deadline()
-        if self._held:
-            await self._resume_engine()
-            self._held = False
-            if self._sync_hold is not None:
-                step, began = self._sync_hold
-                self._session.annotate(step, sync_held_s=round(time.monotonic() - began, 6))
-        self._sync_hold = None
 
 
 def _max_positions(model_dir: Path) -> int | None:
