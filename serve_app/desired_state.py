@@ -5,8 +5,8 @@ replicas ask the controller for it when they start and at their health checks. T
 in Ray's GCS key-value store (every node reaches it, and it outlives any actor), keyed by the app
 and by the deployment of the app, so:
 
-* a controller that restarts (crashed, killed, moved to another node) reads back the version, the
-  weights path, the active step and the hold it left;
+* a controller that restarts (crashed, killed, moved to another node) reads back the version, where
+  the weights came from, the active step and the hold it left;
 * a new deployment of the app (`serve run`, `serve deploy`: the application builder makes a new
   deployment id) starts clean, unless its args say `resume_state: true`, when it takes over the
   record the app's last deployment left in this Ray cluster.
@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Annotated, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from ray.experimental import internal_kv
 
 from profiling.session import SessionSpec
@@ -30,18 +31,44 @@ log = logging.getLogger(__name__)
 _NAMESPACE = "rollout_profiler"
 
 
+class InitialWeights(BaseModel):
+    """The engine's own weights, as it started: nothing was published."""
+
+    source: Literal["initial"] = "initial"
+
+
+class PathWeights(BaseModel):
+    """The served weights are the file (or checkpoint directory) at `path`."""
+
+    source: Literal["path"] = "path"
+    path: str
+
+
+class ObjectStoreWeights(BaseModel):
+    """The served weights came through the Ray object store (the controller keeps their ref)."""
+
+    source: Literal["object_store"] = "object_store"
+
+
+class PeerWeights(BaseModel):
+    """The served weights came by collective or by the trainer's own transfer: no file holds
+    them, so a replica that starts copies them from a peer replica serving `weight_version`."""
+
+    source: Literal["peer"] = "peer"
+
+
+# The `source` literals are kept here alone, so that profiling/weight_source.py's enum can replace them.
+Weights = Annotated[InitialWeights | PathWeights | ObjectStoreWeights | PeerWeights, Field(discriminator="source")]
+"""Where the served weights came from, which decides how a replica that starts loads them."""
+
+
 class DesiredState(BaseModel):
     active: SessionSpec | None = None
     active_since: float | None = None
     """Unix seconds when `active` started: a restarted controller re-arms the step's
     max_duration_s watchdog for the time it has left."""
     weight_version: int = 0
-    weights_path: str | None = None
-    weights_in_object_store: bool = False
-    """The served weights came through the Ray object store (the controller keeps their ref)."""
-    weights_from_peer: bool = False
-    """The served weights came by collective or by the trainer's own transfer: no file holds
-    them, so a replica that starts copies them from a peer replica serving `weight_version`."""
+    weights: Weights = InitialWeights()
     paused: bool = False
 
 

@@ -29,7 +29,7 @@ from serve_app.api import EngineRpcReport, PerReplica, ReplicaReport
 from serve_app.async_streams import merged
 from serve_app.choices import ChoiceBuilder, JobAccepted, JobDone, JobResult, PromptJob, choice_index, sampling_for
 from serve_app.config import AppArgs
-from serve_app.desired_state import DesiredState
+from serve_app.desired_state import DesiredState, ObjectStoreWeights, PathWeights, PeerWeights
 from serve_app.engines import create_engine
 from serve_app.engines.base import AdoptRefused, check_fits, room_left
 from serve_app.engines.generation import GenerateRequest
@@ -87,16 +87,19 @@ class RolloutReplica:
         """Converge on the desired state as this replica starts: the served weights, the
         active step (joined late), the admission hold."""
         desired = await self._controller.get(JOIN_TIMEOUT_S)
-        refs = await self._controller.weights_refs() if desired.weights_in_object_store else []
-        if refs:
-            report = await self.update_weights_in_cluster(desired.weight_version, refs, True)
-            if not report.ok:
-                raise RuntimeError(f"cannot load the served weights, version {desired.weight_version}: {report.error}")
-        elif desired.weight_version > 0 and desired.weights_path:
-            await self.engine.update_weights(desired.weight_version, desired.weights_path, resume=True)
-        elif desired.weight_version > 0 and (desired.weights_from_peer or desired.weights_in_object_store):
-            # No file holds them; the object store's ref went with a controller that restarted.
-            await self._load_from_peer(desired.weight_version)
+        version = desired.weight_version
+        match desired.weights:
+            case PathWeights(path=path) if version > 0:
+                await self.engine.update_weights(version, path, resume=True)
+            case ObjectStoreWeights():
+                if refs := await self._controller.weights_refs():
+                    report = await self.update_weights_in_cluster(version, refs, True)
+                    if not report.ok:
+                        raise RuntimeError(f"cannot load the served weights, version {version}: {report.error}")
+                elif version > 0:  # the object store's ref went with a controller that restarted
+                    await self._load_from_peer(version)
+            case PeerWeights() if version > 0:  # no file holds them
+                await self._load_from_peer(version)
         if desired.active is not None:
             spec = desired.active.model_copy(update={"late_start": True})
             log.info("joining active step %s late", spec.step)

@@ -22,7 +22,7 @@ from serve_app.api import (
 from serve_app.config import AppArgs
 from serve_app.control.capabilities import require
 from serve_app.control.fleet import Fleet
-from serve_app.desired_state import DesiredState
+from serve_app.desired_state import DesiredState, ObjectStoreWeights, PathWeights, PeerWeights, Weights
 from serve_app.engines.options import Capability
 from serve_app.errors import Conflict, Refused, Unavailable
 from serve_app.metrics import timed_call
@@ -56,7 +56,7 @@ class WeightControl:
                 raise Refused(f"path: {e}") from e
             desired = await self._check_version(req.version, path)
             reports = await self._fleet.broadcast("update_weights", req.version, path, req.resume)
-            return await self._loaded(desired, req.version, req.resume, reports, path=path)
+            return await self._loaded(desired, req.version, req.resume, reports, PathWeights(path=path))
 
     async def update_weights_in_cluster(
         self, req: InClusterWeightsRequest, refs: list[ray.ObjectRef]
@@ -71,7 +71,7 @@ class WeightControl:
             if len(refs) != 1 or not isinstance(refs[0], ray.ObjectRef):
                 raise Refused("refs: pass [ray.put(state_dict)], a list holding one ObjectRef")
             reports = await self._fleet.broadcast("update_weights_in_cluster", req.version, refs, req.resume)
-            return await self._loaded(desired, req.version, req.resume, reports, refs=refs)
+            return await self._loaded(desired, req.version, req.resume, reports, ObjectStoreWeights(), refs=refs)
 
     async def _by_collective(self, version: int, transfer: CollectiveTransfer, resume: bool) -> UpdateWeightsResponse:
         """Every live replica joins the sync's group and stages the broadcast; only when every one
@@ -130,7 +130,7 @@ class WeightControl:
                     reports,
                 )
             loaded = await self._fleet.broadcast("load_staged", version, resume)
-            response = await self._loaded(desired, version, resume, loaded, from_peer=True)
+            response = await self._loaded(desired, version, resume, loaded, PeerWeights())
             response.transfer_s = max((r.transfer_s or 0.0) for r in reports)
             return response
 
@@ -141,7 +141,7 @@ class WeightControl:
             desired = await self._fleet.desired()
             if version < desired.weight_version:
                 raise Conflict(f"version {version} is older than the served version {desired.weight_version}")
-            if version == desired.weight_version and not desired.weights_from_peer:
+            if version == desired.weight_version and not isinstance(desired.weights, PeerWeights):
                 raise Conflict(
                     f"version {version} is served already, from other weights; publish them as a new version"
                 )
@@ -155,7 +155,7 @@ class WeightControl:
                     f"{desired.weight_version} stays the app's): {named}",
                     reports,
                 )
-            return await self._loaded(desired, version, resume, reports, from_peer=True)
+            return await self._loaded(desired, version, resume, reports, PeerWeights())
 
     async def engine_rpc(
         self, method: str, args: list[Any], kwargs: dict[str, Any], timeout_s: float | None
@@ -175,7 +175,7 @@ class WeightControl:
         desired = await self._fleet.desired()
         if version < desired.weight_version:
             raise Conflict(f"version {version} is older than the served version {desired.weight_version}")
-        if version == desired.weight_version and (path is None or path != desired.weights_path):
+        if version == desired.weight_version and (path is None or desired.weights != PathWeights(path=path)):
             raise Conflict(f"version {version} is served already, from other weights; publish them as a new version")
         return desired
 
@@ -185,10 +185,9 @@ class WeightControl:
         version: int,
         resume: bool,
         reports: list[ReplicaReport],
+        weights: Weights,
         *,
-        path: str | None = None,
         refs: list[ray.ObjectRef] | None = None,
-        from_peer: bool = False,
     ) -> UpdateWeightsResponse:
         """Publish the new served version once any replica loaded it (else 422, old one serves)."""
         ok = [r for r in reports if r.ok]
@@ -198,9 +197,7 @@ class WeightControl:
         if refs is not None:  # before the state that points at them: joiners read both
             self._fleet.weights_refs = refs
         loaded_new = version != desired.weight_version
-        desired.weight_version, desired.weights_path = version, path
-        desired.weights_in_object_store = refs is not None
-        desired.weights_from_peer = from_peer
+        desired.weight_version, desired.weights = version, weights
         desired.paused = not resume
         # A hold kept across a load counts from the load's end (the replicas renew theirs then too).
         await self._fleet.publish(desired, renew_hold=loaded_new)
