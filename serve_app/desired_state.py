@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 from ray.experimental import internal_kv
 
 from profiling.session import SessionSpec
@@ -57,7 +57,6 @@ class PeerWeights(BaseModel):
     source: Literal["peer"] = "peer"
 
 
-# The `source` literals are kept here alone, so that profiling/weight_source.py's enum can replace them.
 Weights = Annotated[InitialWeights | PathWeights | ObjectStoreWeights | PeerWeights, Field(discriminator="source")]
 """Where the served weights came from, which decides how a replica that starts loads them."""
 
@@ -69,7 +68,30 @@ class DesiredState(BaseModel):
     max_duration_s watchdog for the time it has left."""
     weight_version: int = 0
     weights: Weights = InitialWeights()
+    """Where the served weights of `weight_version` came from."""
     paused: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _earlier_record(cls, data: Any) -> Any:
+        # A record written before `weights` existed (resume_state across an upgrade) spelled it
+        # as three fields.
+        if not isinstance(data, dict) or "weights" in data or not _EARLIER_FIELDS & data.keys():
+            return data
+        earlier = {k: data[k] for k in _EARLIER_FIELDS if k in data}
+        rest = {k: v for k, v in data.items() if k not in _EARLIER_FIELDS}
+        if earlier.get("weights_in_object_store"):
+            weights: dict[str, Any] = {"source": "object_store"}
+        elif earlier.get("weights_from_peer"):
+            weights = {"source": "peer"}
+        elif earlier.get("weights_path"):
+            weights = {"source": "path", "path": earlier["weights_path"]}
+        else:
+            weights = {"source": "initial"}
+        return {**rest, "weights": weights}
+
+
+_EARLIER_FIELDS = frozenset({"weights_path", "weights_in_object_store", "weights_from_peer"})
 
 
 class DesiredStateRecord:

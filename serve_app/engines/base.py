@@ -40,7 +40,7 @@ from profiling.backends.base import ProfilerBackend
 from profiling.manifest import ManifestEntry
 from profiling.session import BackendFactory, ProfileSession, SessionSpec, SessionState, StopOutcome
 from serve_app.config import AppArgs
-from serve_app.engines.admission import AdmissionHold
+from serve_app.engines.admission_hold import AdmissionHold
 from serve_app.engines.control_thread import ControlThread
 from serve_app.engines.generation import GenerateDelta, GenerateRequest
 from serve_app.engines.options import Capability
