@@ -181,9 +181,8 @@ class RolloutEngine(HfTokenizerMixin, ABC, Generic[W]):
         self._admission = AdmissionHold(
             timeout_s=args.hold_timeout_s,
             control=self._control,
-            # Looked up at each call: a test (or an engine) may replace the hooks after the build.
-            pause=lambda: self._pause(),
-            resume=lambda: self._resume(),
+            pause=self._pause_counted,
+            resume=self._resume_counted,
             require_pause=lambda: self._options.require(Capability.PAUSE),
             annotate=self._session.annotate,
         )
@@ -460,7 +459,7 @@ class RolloutEngine(HfTokenizerMixin, ABC, Generic[W]):
                 # No engine step between the old version's and the new one's (an engine that
                 # cannot pause loads between its own steps).
                 if not self._admission.held and self._options.has(Capability.PAUSE):
-                    await self._pause_engine()
+                    await self._admission.pause_engine()
                     paused_here = True
                 try:
                     if isinstance(weights, _Adopted):
@@ -470,7 +469,7 @@ class RolloutEngine(HfTokenizerMixin, ABC, Generic[W]):
                 except BaseException:
                     if paused_here:  # keep serving the old weights; the load error is the answer
                         try:
-                            await self._resume_engine()
+                            await self._admission.resume_engine()
                         except Exception:
                             log.exception("resuming the engine after a failed weight load failed")
                     raise
@@ -481,7 +480,7 @@ class RolloutEngine(HfTokenizerMixin, ABC, Generic[W]):
                 # one engine step may run unprofiled on `version` in between.
                 await self._admission.hold()
             elif paused_here:
-                await self._resume_engine()
+                await self._admission.resume_engine()
             else:
                 await self._admission.release()
 
@@ -536,12 +535,14 @@ class RolloutEngine(HfTokenizerMixin, ABC, Generic[W]):
         self._loop = asyncio.get_running_loop()
         return await asyncio.wrap_future(self._thread.submit(fn))
 
-    async def _pause_engine(self) -> None:
-        await self._admission.pause_engine()
+    async def _pause_counted(self) -> None:
+        """The engine's pause, with the window's held time starting (the hooks are looked up at
+        each call: a test or an engine may replace them after the build)."""
+        await self._pause()
         self._requests.paused(True)
 
-    async def _resume_engine(self) -> None:
-        await self._admission.resume_engine()
+    async def _resume_counted(self) -> None:
+        await self._resume()
         self._requests.paused(False)
 
 

@@ -286,6 +286,34 @@ async def test_the_window_s_requests_and_the_sync_s_hold_reach_the_step_s_entry(
     await engine.shutdown()
 
 
+async def test_a_hold_counts_as_held_time_and_its_release_as_generating_again(engine, store, spec):
+    async def answer(request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
+        await asyncio.sleep(0.3)
+        yield GenerateDelta(token_ids=[7], weight_version=engine.weight_version, finish_reason="length")
+
+    async def drain(request: GenerateRequest) -> None:
+        async for _ in engine.generate(request):
+            pass
+
+    engine._stream = answer
+    request = GenerateRequest(prompt_token_ids=[1, 2], sampling=SamplingSpec(max_tokens=1))
+    assert await engine.start_profile(spec(3))
+    await engine.update_weights(0, None, resume=False)  # a hold inside the window, no load
+    await asyncio.sleep(0.3)
+    await engine.update_weights(0, None, resume=True)
+    await engine.stop_profile(3, pause=True)
+    await engine.update_weights(1, engine.checkpoint, resume=False)
+    assert await engine.start_profile(spec(4))  # ends the sync's hold
+    await drain(request)
+    await engine.stop_profile(4, pause=False)
+    await engine.wait_exported(4, 10)
+    held = next(e for e in store.read_entries(3) if e.replica_id == "fake0").requests
+    assert held is not None and held.held_s >= 0.25
+    after = next(e for e in store.read_entries(4) if e.replica_id == "fake0").requests
+    assert after is not None and after.generating_s >= 0.25 and after.held_s < 0.1
+    await engine.shutdown()
+
+
 class FakeVersionedOptions(FakeProfilingOptions):
     engine = "fake-versioned"
     implementation = f"{__name__}:FakeVersionedEngine"
