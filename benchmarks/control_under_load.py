@@ -102,7 +102,7 @@ from safetensors.torch import load_file, save_file
 
 from profiling.schedule import StepSchedule
 from serve_app.app import parse_args
-from serve_app.net import free_port
+from serve_app.net import free_port, http_url
 from serve_app.tiny_model import ensure_tiny_model
 from trainer.client import RolloutClient, RolloutError
 from trainer.local_app import local_cluster, run_app
@@ -112,6 +112,9 @@ console = Console(width=None if sys.stdout.isatty() else 160)  # a log file gets
 CONFIGS = {"transformers": "config/serve.yaml", "vllm": "config/serve.vllm.yaml"}
 SYNCS, NO_SYNCS = "syncs", "no syncs"
 HEALTH = "GET /health"
+HEALTH_SERVE_PORT = "GET /health on Serve's port"
+"""With the control listener, /health is sampled on both: HEALTH on the listener, this on Serve's port."""
+HEALTH_CALLS = (HEALTH, HEALTH_SERVE_PORT)
 CYCLE = 4
 """Syncs per cycle of the schedule: opening, profiled, closing, plain."""
 HEALTH_EVERY_S = 0.5
@@ -418,9 +421,10 @@ class Side:
     calls: tuple[str, ...]
     """The calls `tick` measures, in the order the tables show them."""
 
-    def __init__(self, url: str, body: dict[str, Any]):
+    def __init__(self, url: str, body: dict[str, Any], control_url: str | None = None):
+        """`control_url`: where the control calls and /health go (None: `url`, which the load gets)."""
         self.url, self.body = url, body
-        self.http = httpx.AsyncClient(base_url=url, timeout=CONTROL_TIMEOUT_S, trust_env=False)
+        self.http = httpx.AsyncClient(base_url=control_url or url, timeout=CONTROL_TIMEOUT_S, trust_env=False)
 
     async def tick(self, out: Samples) -> None:
         """One control cadence step."""
@@ -429,11 +433,14 @@ class Side:
     async def settle(self) -> None:
         """Leave nothing open that would load the next run."""
 
-    async def request(self, call: str, method: str, path: str, out: Samples, timeout_s: float) -> float | None:
-        """One timed control call; its seconds (None: it failed, which `out` records too)."""
+    async def request(
+        self, call: str, method: str, path: str, out: Samples, timeout_s: float, http: httpx.AsyncClient | None = None
+    ) -> float | None:
+        """One timed control call (on `http`, default the side's control client); its seconds
+        (None: it failed, which `out` records too)."""
         t0 = time.perf_counter()
         try:
-            r = await self.http.request(method, path, timeout=timeout_s)
+            r = await (http or self.http).request(method, path, timeout=timeout_s)
         except httpx.HTTPError as e:
             out.add(call, time.perf_counter() - t0)
             out.fail(call, repr(e))
@@ -495,9 +502,15 @@ class AppSide(Side):
     name = APP
     calls = APP_CALLS
 
-    def __init__(self, url: str, body: dict[str, Any], syncs: int, publisher: WeightsPublisher):
-        super().__init__(url, body)
-        self.client = RolloutClient(url, timeout_s=CONTROL_TIMEOUT_S)
+    def __init__(
+        self, url: str, body: dict[str, Any], syncs: int, publisher: WeightsPublisher, control_url: str | None
+    ):
+        """`control_url`: the app's control listener (None: control calls go to Serve's port)."""
+        super().__init__(url, body, control_url)
+        self.client = RolloutClient(url, control_url=control_url, timeout_s=CONTROL_TIMEOUT_S)
+        self._serve_port = (
+            httpx.AsyncClient(base_url=url, timeout=CONTROL_TIMEOUT_S, trust_env=False) if control_url else None
+        )
         self.sync = ProfiledWeightSync(StepSchedule(profiled_steps(syncs)), self.client, save_path=None)
         self._publisher = publisher
         self.version = 0
@@ -562,10 +575,17 @@ class AppSide(Side):
         if self.sync.active is not None:
             await self._recover()
 
+    async def health(self, out: Samples) -> None:
+        await super().health(out)
+        if self._serve_port is not None:
+            await self.request(HEALTH_SERVE_PORT, "GET", "/health", out, HEALTH_TIMEOUT_S, self._serve_port)
+
     async def aclose(self) -> None:
         await self.sync.end()
         self.sync.shutdown()
         await self.client.aclose()
+        if self._serve_port is not None:
+            await self._serve_port.aclose()
         await super().aclose()
 
 
@@ -655,6 +675,8 @@ class Report(BaseModel):
     engine: str
     config: str
     against: str
+    control_via: str
+    """listener: the trainer's control calls went to the app's control listener; port: to Serve's port."""
     clients: list[int]
     seconds: float
     rounds: int
@@ -811,7 +833,7 @@ def _runs(report: Report, side: str, n: int, mode: str | None = None) -> list[Ru
 def _loaded(report: Report, side: str, n: int, call: str) -> list[float]:
     """A call's samples under load at `n` clients: /health from every run, the rest from the runs
     with syncs."""
-    runs = _runs(report, side, n, None if call == HEALTH else SYNCS)
+    runs = _runs(report, side, n, None if call in HEALTH_CALLS else SYNCS)
     return [t for r in runs for t in r.control.times.get(call, [])]
 
 
@@ -849,7 +871,7 @@ def _print_n(report: Report, n: int, sides: list[str], calls: dict[str, tuple[st
                 "errors idle/loaded"):  # fmt: skip
         t.add_column(col, justify="left" if col in ("server", "call") else "right")
     for side in sides:
-        for call in (*calls[side], HEALTH):
+        for call in (*calls[side], *HEALTH_CALLS):
             idle, loaded = _idle_samples(report, side, call), _loaded(report, side, n, call)
             idle_errors = sum(len(i.control.errors.get(call, [])) for i in report.idle if i.side == side)
             errors = sum(len(r.control.errors.get(call, [])) for r in _runs(report, side, n))
@@ -1030,6 +1052,9 @@ def main(
                                   "they count as hung (sooner when nothing is answered for 60 s)."),
     json_path: str | None = typer.Option(None, "--json", help="Where the raw figures go (default: in the working "
                                           "directory)."),
+    control_via: str = typer.Option("listener", help="listener: the trainer's control calls and /health go to the "
+                                    "app's control listener (/health sampled on Serve's port too); port: to Serve's "
+                                    "HTTP port."),
     quick: bool = typer.Option(False, help="A smoke run: 64 clients (unless --clients says otherwise), 1 round of "
                                "8 s, a sync every second."),
 ) -> None:  # fmt: skip
@@ -1038,6 +1063,8 @@ def main(
     against = against or ("vllm" if engine == "vllm" else "none")
     if against not in ("vllm", "none"):
         raise typer.BadParameter(f"--against {against!r}: give vllm or none")
+    if control_via not in ("listener", "port"):
+        raise typer.BadParameter(f"--control-via {control_via!r}: give listener or port")
     if quick:
         seconds, rounds, sync_every_s = 8.0, 1, 1.0
         clients = "64" if clients == "8,256,1024,4096" else clients
@@ -1056,6 +1083,8 @@ def main(
     args: dict[str, Any] = {**cfg_args, "save_path": str(work / "traces"), "weights_dir": str(work / "weights")}
     if engine == "vllm":  # one engine each side: the 2 cores hold two vLLM engines, not three
         args["num_replicas"] = 1
+    if control_via == "listener":
+        args["control_listener"] = {"port": free_port()}
     threads = replica_omp_threads(args)
     if engine == "vllm":
         args["replica_env"] = {**cfg_args.get("replica_env", {}), "OMP_NUM_THREADS": threads}
@@ -1064,7 +1093,7 @@ def main(
     body = {"model": parsed.model_name, "max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True, "n": n}
     name = spec.get("name", "rollout")
     report = Report(
-        engine=engine, config=config, against=against, clients=ns, seconds=seconds, rounds=rounds,
+        engine=engine, config=config, against=against, control_via=control_via, clients=ns, seconds=seconds, rounds=rounds,
         sync_every_s=sync_every_s, sync_spacing_s=plan.spacing_s, n=n, max_tokens=max_tokens, omp_threads=threads,
         source=_source(),
         machine={"cpus": os.cpu_count(), "loadavg_at_start": os.getloadavg(), "open_files": fds,
@@ -1073,7 +1102,8 @@ def main(
     save = Path(json_path) if json_path else work / "control_under_load.json"
     total_syncs = idle_ticks + plan.ticks * rounds * len(ns)
     console.print(
-        f"engine {engine} ({config}, {args.get('num_replicas')} replicas), against {against}, N={ns}, "
+        f"engine {engine} ({config}, {args.get('num_replicas')} replicas), against {against}, control via "
+        f"{control_via}, N={ns}, "
         f"{rounds} rounds of {seconds:.0f} s, a sync every {plan.spacing_s:.2f} s, OMP_NUM_THREADS={threads}, "
         f"open files {fds}; app code {report.source}"
     )
@@ -1087,6 +1117,8 @@ def main(
             env = {**VLLM_ENV, **args.get("replica_env", {}), "OMP_NUM_THREADS": threads, "VLLM_SERVER_DEV_MODE": "1"}
             vproc = stack.enter_context(reference_server(cmd, env, work / "vllm-server.log"))
         app_url = run_app(port, name, args)
+        listener = parsed.control_listener
+        control_url = None if listener is None else http_url(listener.host, listener.port)
         load = stack.enter_context(load_generator())
         if vproc is not None:
             _wait_ready(f"http://127.0.0.1:{ref_port}", vproc, work / "vllm-server.log")
@@ -1094,7 +1126,7 @@ def main(
 
         async def measure() -> None:
             publisher = WeightsPublisher(args["model_path"], work / "weights")
-            app = AppSide(app_url, body, total_syncs, publisher)
+            app = AppSide(app_url, body, total_syncs, publisher, control_url)
             sides: list[Side] = [app]
             if vproc is not None:
                 sides.append(VllmSide(f"http://127.0.0.1:{ref_port}", body))

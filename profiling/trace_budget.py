@@ -196,4 +196,3 @@ def _write(
             first = False
     written += dst.write(b"\n]}\n")
     return written
-

@@ -7,11 +7,9 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-import ray
 from pydantic import ValidationError
 from ray import serve
 from ray.serve import Application
-from ray.serve.config import HTTPOptions
 from ray.serve.handle import DeploymentHandle
 
 from profiling.config import describe_validation_error
@@ -19,11 +17,11 @@ from serve_app.config import AppArgs
 from serve_app.controller import RolloutController
 from serve_app.ingress import auth, settings
 from serve_app.ingress.builder import make_ingress
+from serve_app.ingress.http_options import serve_http_options
 from serve_app.ingress.openai_routes import OpenAIRoutesMixin
 from serve_app.ingress.ops_routes import OpsRoutesMixin
 from serve_app.ingress.profile_routes import ProfileRoutesMixin
 from serve_app.ingress.weight_routes import WeightRoutesMixin
-from serve_app.redact import app_redactor
 from serve_app.replica import RolloutReplica
 
 CONTROL_HEADROOM = 64
@@ -39,20 +37,10 @@ class _Ingress(ProfileRoutesMixin, WeightRoutesMixin, OpenAIRoutesMixin, OpsRout
     number of ingress replicas share one control plane."""
 
     async def __init__(self, replicas: DeploymentHandle, controller: DeploymentHandle, args: AppArgs):  # type: ignore[misc]  # Serve awaits it
-        token = args.read_control_token()
         http = serve_http_options()
         http_host = None if http is None else str(http.host)
+        token = settings.configure_for(args, http_host, None if http is None else http.request_timeout_s)
         auth.check_exposure(http_host, token)
-        settings.configure(
-            settings.IngressSettings(
-                access=settings.Access(
-                    token=token, loopback_only=http_host is not None and auth.is_loopback(http_host)
-                ),
-                max_body_bytes=args.request_limits.max_body_bytes,
-                request_timeout_s=None if http is None else http.request_timeout_s,
-                redact=app_redactor(args),
-            )
-        )
         self.replicas = replicas
         self.controller = controller
         self.model_name = args.model_name
@@ -70,21 +58,6 @@ RolloutIngress = make_ingress(
         **OpsRoutesMixin.ENDPOINTS,
     },
 )
-
-
-def serve_http_options() -> HTTPOptions | None:
-    """Serve's HTTP options (its proxies' host, the operator's request timeout), when a Serve
-    controller is reachable from here (the builder of `serve run config.yaml` and `serve deploy`
-    runs where it is; None elsewhere)."""
-    if not ray.is_initialized():
-        return None
-    from ray.serve.context import _get_global_client  # no public API reads the HTTP options
-
-    try:
-        client = _get_global_client(raise_if_no_controller_running=False)
-    except Exception:  # noqa: BLE001 - no controller to ask: the ingress checks again when it starts
-        return None
-    return None if client is None else client.http_config
 
 
 def parse_args(args: dict[str, Any]) -> AppArgs:

@@ -20,11 +20,22 @@ from serve_app.engines.sglang.options import SglangOptions
 from serve_app.engines.transformers.options import TransformersOptions
 from serve_app.engines.vllm.options import VllmOptions
 from serve_app.limits import RequestLimits, StartLimits
+from serve_app.net import is_loopback
 from serve_app.tiny_model import TinyModelSpec
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 MIN_TOKEN_CHARS = 16
 """A control token is at least this long."""
+
+
+class ControlListenerOptions(StrictModel):
+    """An HTTP listener of the control routes that generation never shares (docs/design.md#control-path)."""
+
+    host: str = "127.0.0.1"
+    """The interface it listens on, on the controller's node: loopback by default; any other
+    needs a control token (control_token_env or control_token_file)."""
+    port: int = Field(ge=1, le=65535)
+    """Its TCP port (the app's HTTP port is Serve's, http_options.port)."""
 
 
 class AppArgs(StrictModel):
@@ -79,6 +90,11 @@ class AppArgs(StrictModel):
     control_token_file: str | None = None
     """A file, readable where the ingress runs, holding the control token (instead of
     control_token_env)."""
+    control_listener: ControlListenerOptions | None = None
+    """A listener of its own for the control routes (/profile/*, /weights/update, /health,
+    /metrics), served by the app's controller beside Serve's HTTP port, so that no control call
+    waits behind generation in Serve's proxy or the ingress. The control routes stay on Serve's
+    port too. null: none."""
     profiler: ProfileOptions = Field(default_factory=ProfileOptions)
     """The replicas' profiler settings; a /profile/start may override some of them."""
     start_limits: StartLimits = Field(default_factory=StartLimits, validate_default=True)
@@ -141,6 +157,22 @@ class AppArgs(StrictModel):
             )
         if self.weight_transfer == "collective":
             self.engine_options.require(Capability.RECEIVE_COLLECTIVE)  # a ValueError: pydantic reports it
+        return self
+
+    @model_validator(mode="after")
+    def _control_listener_guarded(self) -> AppArgs:
+        listener = self.control_listener
+        if (
+            listener is not None
+            and not is_loopback(listener.host)
+            and self.control_token_env is None
+            and self.control_token_file is None
+        ):
+            raise ValueError(
+                f"control_listener.host is {listener.host!r}, beyond loopback, and no control token is set: "
+                "anyone who reaches the port could drive profiling and weight updates. Set control_token_env "
+                "(or control_token_file), or listen on 127.0.0.1"
+            )
         return self
 
     @model_validator(mode="after")

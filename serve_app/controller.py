@@ -43,6 +43,8 @@ from serve_app.control.shielded import ShieldedCalls
 from serve_app.control.step_records import StepRecords
 from serve_app.control.weight_control import WeightControl
 from serve_app.desired_state import DesiredState, DesiredStateRecord
+from serve_app.ingress.control_listener import ControlListener
+from serve_app.ingress.http_options import serve_http_options
 from serve_app.metrics import refresh_exports, refresh_fleet
 from serve_app.trace_collection import create_collector
 
@@ -82,6 +84,10 @@ class RolloutController:
         # A restart mid-step resumes it (its watchdog, replicas that missed it, its record), in the
         # background: replicas that are starting wait for this constructor to answer them.
         self.records.background(self._calls.run("recover", self.profile.recover))
+        self._listener: ControlListener | None = None
+        if args.control_listener is not None:
+            http = await asyncio.to_thread(serve_http_options)
+            self._listener = ControlListener(self, args, None if http is None else http.request_timeout_s)
 
     # -- /profile/* -----------------------------------------------------------------------------
     async def start_profile(self, req: StartProfileRequest) -> StartProfileResponse:
@@ -145,6 +151,8 @@ class RolloutController:
         # The durable record stays for `resume_state` (the next deployment drops it otherwise);
         # the collector goes with the app, and only with it: a controller moved off a drained
         # node leaves it to its successor.
+        if self._listener is not None:
+            await self._listener.close()
         if self._collector is not None and await _app_is_deleting(self._app_name):
             ray.kill(self._collector)
 

@@ -18,7 +18,7 @@ from profiling.cli import print_verify_report
 from profiling.manifest import StepManifest
 from profiling.schedule import StepSchedule
 from profiling.store import TraceStore
-from trainer.client import RolloutClient, RolloutError
+from trainer.client import AppAddress, RolloutError
 from trainer.config import ConfigError, TrainerConfig, load_config
 from trainer.launch import RankDied, launch_ranks
 from trainer.loop import RunResult, VersionStats, run_training
@@ -94,8 +94,13 @@ async def _run(
     """Train, then wait for every profiled step's traces while the app is still up (a background
     merge in the app must not be cut off), merge them and write the reports."""
     with contextlib.ExitStack() as stack:
-        url, model_dir, token = cfg.rollout.url, cfg.trainer.model_path, cfg.rollout.control_token
-        if url is None:
+        model_dir = cfg.trainer.model_path
+        address: AppAddress
+        if cfg.rollout.url is not None:
+            address = AppAddress(
+                url=cfg.rollout.url, control_url=cfg.rollout.control_url, control_token=cfg.rollout.control_token
+            )
+        else:
             from trainer.local_app import local_rollout_app
 
             console.print("starting a local Ray + rollout app ...")
@@ -109,7 +114,7 @@ async def _run(
                     },
                 )
             )
-            url, model_dir, token = app.base_url, app.model_dir, app.control_token
+            address, model_dir = app.address, app.model_dir
         if model_dir is None:
             raise ConfigError("trainer.model_path is required with rollout.url (the app's initial weights)")
         progress = Progress(
@@ -129,9 +134,9 @@ async def _run(
 
         with progress:
             if cfg.trainer.world_size > 1:
-                result = await asyncio.to_thread(launch_ranks, cfg, url, token, model_dir, on_version)
+                result = await asyncio.to_thread(launch_ranks, cfg, address, model_dir, on_version)
             else:
-                async with RolloutClient(url, control_token=token) as client:
+                async with address.client() as client:
                     result = await run_training(cfg, client, model_dir, on_version)
         manifests, report = {}, None
         if cfg.global_profiler.steps:
@@ -142,9 +147,7 @@ async def _run(
             recorded = [k for k, m in manifests.items() if m is not None]
             if recorded:
                 console.print("merging traces and writing reports ...")
-                report = await asyncio.to_thread(
-                    finish_steps, store, recorded, cfg.global_profiler.merge_on_complete
-                )
+                report = await asyncio.to_thread(finish_steps, store, recorded, cfg.global_profiler.merge_on_complete)
         return result, manifests, report
     raise AssertionError("unreachable")
 

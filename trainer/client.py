@@ -51,6 +51,8 @@ from serve_app.openai_api import (
 
 R = TypeVar("R", bound=BaseModel)
 _RETRY_STATUS = {502, 503, 504}
+_CONTROL_PREFIXES = ("/profile/", "/weights/")
+"""The routes a control listener serves (besides /health and /metrics)."""
 CONTROL_MARGIN_S = 10.0
 """What a control call waits beyond the app's bound for it: the HTTP hops, a busy machine."""
 
@@ -69,6 +71,7 @@ class RolloutClient:
         self,
         base_url: str,
         *,
+        control_url: str | None = None,
         control_token: str | None = None,
         timeout_s: float = 60.0,
         control_wait_s: float | None = None,
@@ -76,7 +79,10 @@ class RolloutClient:
         retry_backoff_s: float = 0.5,
         backlog_wait_s: float = 600.0,
     ):
-        """`timeout_s`: how long reads and generation calls wait for an answer. `control_wait_s`:
+        """`control_url`: the app's control listener (its control_listener args), where the
+        control routes (/profile/*, /weights/update) go instead of `base_url`: there they never
+        wait behind generation in Serve's proxy (docs/design.md#control-path). None: `base_url`.
+        `timeout_s`: how long reads and generation calls wait for an answer. `control_wait_s`:
         how long a control call (start, stop, weight update) waits; None: the call's bound on
         the app, from the app's control_timeout_s (read once from /profile/status), plus
         CONTROL_MARGIN_S (`timeout_s` while the status cannot be read).
@@ -84,12 +90,13 @@ class RolloutClient:
         `backlog_wait_s`: how long a call refused with 429 (earlier steps' traces still
         exporting) keeps being retried before the 429 is raised."""
         headers = {"Authorization": f"Bearer {control_token}"} if control_token else {}
-        self._http = httpx.AsyncClient(
-            base_url=base_url.rstrip("/"),
-            headers=headers,
-            timeout=timeout_s,
-            limits=httpx.Limits(max_connections=64, max_keepalive_connections=64),
-        )
+
+        def connect(url: str) -> httpx.AsyncClient:
+            limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+            return httpx.AsyncClient(base_url=url.rstrip("/"), headers=headers, timeout=timeout_s, limits=limits)
+
+        self._http = connect(base_url)
+        self._control_http = connect(control_url) if control_url is not None else self._http
         self._retries = retries
         self._backoff = retry_backoff_s
         self._backlog_wait_s = backlog_wait_s
@@ -105,6 +112,8 @@ class RolloutClient:
 
     async def aclose(self) -> None:
         await self._http.aclose()
+        if self._control_http is not self._http:
+            await self._control_http.aclose()
 
     async def _control_wait(self, call: ControlCall, body: UpdateWeightsRequest | None = None) -> float:
         """Seconds control call `call` waits for its answer (see `control_wait_s`)."""
@@ -128,6 +137,7 @@ class RolloutClient:
         retry: bool,
         wait_s: float | None = None,
     ) -> R:
+        http = self._control_http if path.startswith(_CONTROL_PREFIXES) else self._http
         # An OpenAI body carries only the fields the caller set: a default sent explicitly would
         # read as "set" to the ingress, which refuses fields the engine cannot honour.
         sampling = isinstance(body, SamplingFields)
@@ -137,7 +147,7 @@ class RolloutClient:
         attempt = 0
         while True:
             try:
-                resp = await self._http.request(
+                resp = await http.request(
                     method, path, json=payload, timeout=wait_s if wait_s is not None else httpx.USE_CLIENT_DEFAULT
                 )
             except httpx.TransportError as e:
@@ -241,6 +251,19 @@ def _error(method: str, path: str, resp: httpx.Response) -> RolloutError:
     detail = data.get("detail") if isinstance(data, dict) else data
     replicas = [ReplicaReport.model_validate(r) for r in data.get("replicas", [])] if isinstance(data, dict) else []
     return RolloutError(method, path, resp.status_code, str(detail), replicas)
+
+
+class AppAddress(BaseModel):
+    """Where a trainer reaches the app: its HTTP port, its control listener, its control token."""
+
+    url: str
+    control_url: str | None = None
+    """The app's control listener (its control_listener args); None: control calls go to url."""
+    control_token: str | None = None
+
+    def client(self) -> RolloutClient:
+        """A RolloutClient of this app (make it on the event loop that uses it)."""
+        return RolloutClient(self.url, control_url=self.control_url, control_token=self.control_token)
 
 
 class SyncRolloutClient:

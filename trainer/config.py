@@ -79,9 +79,7 @@ class TrainerSection(StrictModel):
         description="weight_transfer collective: the publishing rank's address the replicas dial, and the only "
         "interface its store listens on.",
     )
-    bucket_mb: float = Field(
-        64.0, gt=0, description="weight_transfer collective: MiB of tensors per broadcast bucket."
-    )
+    bucket_mb: float = Field(64.0, gt=0, description="weight_transfer collective: MiB of tensors per broadcast bucket.")
     dist_timeout_s: float = Field(
         120.0,
         gt=0,
@@ -96,6 +94,12 @@ class RolloutSection(StrictModel):
         "config/serve.yaml",
         description="Serve config whose first application is started when url is null; its args get "
         "save_path, weights_dir and model_path from this config.",
+    )
+    control_url: str | None = Field(
+        None,
+        description="The control listener of the app at url (its control_listener args, e.g. "
+        "http://127.0.0.1:8001), where control calls go so they never wait behind generation; null: "
+        "they go to url. Unused when the trainer starts the app (it reads that app's).",
     )
     control_token: str | None = Field(
         None,

@@ -24,6 +24,7 @@ from typing import Any
 
 from profiling.schedule import StepSchedule
 from profiling.store import TraceStore
+from trainer.client import AppAddress
 from trainer.config import TrainerConfig
 from trainer.distributed import DRIVER_RANK, Ranks, Rendezvous, host_rendezvous, init_group
 from trainer.loop import ProgressHook, RunResult, VersionStats
@@ -39,13 +40,12 @@ class RankDied(RuntimeError):
 
 def launch_ranks(
     cfg: TrainerConfig,
-    url: str,
-    control_token: str | None,
+    app: AppAddress,
     model_dir: str,
     on_version: ProgressHook | None = None,
     grace_s: float = GRACE_S,
 ) -> RunResult:
-    """Run `cfg.trainer.world_size` ranks against the app at `url` (blocking); rank 0's result."""
+    """Run `cfg.trainer.world_size` ranks against `app` (blocking); rank 0's result."""
     world = cfg.trainer.world_size
     ctx = mp.get_context("spawn")  # a fresh interpreter per rank: no Ray, no event loop inherited
     reports: Any = ctx.Queue()
@@ -55,7 +55,7 @@ def launch_ranks(
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(cfg_json, r, rendezvous_json, url, control_token, model_dir, reports),
+            args=(cfg_json, r, rendezvous_json, app.model_dump_json(), model_dir, reports),
             name=f"trainer-rank-{r}",
         )
         for r in range(world)
@@ -74,9 +74,7 @@ def launch_ranks(
                 on_version(VersionStats.model_validate_json(payload))
             elif kind == "result":
                 result = RunResult.model_validate_json(payload)
-            died.update(
-                {r: _how(p) for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in died}
-            )
+            died.update({r: _how(p) for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in died})
             if died:
                 break
     finally:
@@ -114,7 +112,7 @@ def _record_deaths(cfg: TrainerConfig, died: dict[int, str]) -> None:
     if not cfg.global_profiler.steps:
         return
     store = TraceStore(cfg.global_profiler.save_path)
-    for (label, *_) in StepSchedule.from_config(cfg.global_profiler).windows:
+    for label, *_ in StepSchedule.from_config(cfg.global_profiler).windows:
         try:
             record = store.read_trainer_record(label)
         except ValueError:
@@ -141,14 +139,12 @@ def _stop_survivors(procs: Sequence[BaseProcess], grace_s: float) -> None:
             p.join()
 
 
-def _rank_main(
-    cfg_json: str, rank: int, rendezvous_json: str, url: str, control_token: str | None, model_dir: str, reports: Any
-) -> None:
+def _rank_main(cfg_json: str, rank: int, rendezvous_json: str, app_json: str, model_dir: str, reports: Any) -> None:
     """One rank's process: join the group, train, report (rank 0)."""
     import torch
 
     from profiling.backends.torch_profiler import init_kineto, quiet_kineto_env
-    from trainer.client import RolloutClient
+    from trainer.client import AppAddress
     from trainer.loop import run_training
 
     logging.basicConfig(level=logging.WARNING, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
@@ -166,7 +162,7 @@ def _rank_main(
     async def go() -> RunResult:
         if not ranks.drives:  # the other ranks never talk to the app
             return await run_training(cfg, None, model_dir, None, ranks)
-        async with RolloutClient(url, control_token=control_token) as client:
+        async with AppAddress.model_validate_json(app_json).client() as client:
             return await run_training(cfg, client, model_dir, on_version, ranks)
 
     result = asyncio.run(go())

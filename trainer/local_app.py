@@ -12,6 +12,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
+from trainer.client import AppAddress
+
 
 class LocalApp(BaseModel):
     name: str
@@ -20,6 +22,13 @@ class LocalApp(BaseModel):
     args: dict[str, Any]
     control_token: str | None
     """The app's control token, read as its ingress reads it (None: the app has none)."""
+    control_url: str | None = None
+    """The app's control listener (None: its args set none)."""
+
+    @property
+    def address(self) -> AppAddress:
+        """Where a trainer reaches this app."""
+        return AppAddress(url=self.base_url, control_url=self.control_url, control_token=self.control_token)
 
 
 @contextlib.contextmanager
@@ -85,6 +94,7 @@ def local_rollout_app(serve_config: str | Path, overrides: dict[str, Any]) -> It
     """Run the first application of `serve_config` with `overrides` applied to its args, on a
     private local cluster bound to loopback. `replica_env` in `overrides` adds to the config's."""
     from serve_app.app import parse_args
+    from serve_app.net import http_url
     from serve_app.tiny_model import ensure_tiny_model
 
     try:
@@ -101,6 +111,12 @@ def local_rollout_app(serve_config: str | Path, overrides: dict[str, Any]) -> It
     name = spec.get("name", "rollout")
     with local_cluster() as port:
         base_url = run_app(port, name, args)
+        listener = parsed.control_listener
         yield LocalApp(
-            name=name, base_url=base_url, model_dir=model_dir, args=args, control_token=parsed.read_control_token()
+            name=name,
+            base_url=base_url,
+            model_dir=model_dir,
+            args=args,
+            control_token=parsed.read_control_token(),
+            control_url=None if listener is None else http_url(listener.host, listener.port),
         )

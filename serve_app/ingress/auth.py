@@ -12,28 +12,16 @@ come from.
 
 from __future__ import annotations
 
-import ipaddress
 import secrets
 
 from fastapi import Header, HTTPException
 
 from serve_app.ingress.settings import current
-
-LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+from serve_app.net import is_loopback
 
 
 class AccessError(ValueError):
     """The app cannot start with this access configuration; the message names the fix."""
-
-
-def is_loopback(host: str) -> bool:
-    """Whether `host` (a name or an address) is this machine's loopback."""
-    if host.lower() in LOOPBACK_NAMES:
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def check_exposure(http_host: str | None, token: str | None) -> None:

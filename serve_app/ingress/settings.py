@@ -7,8 +7,13 @@ decorated then), before any app args exist; the ingress sets these once it start
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from serve_app.redact import Redactor
+from serve_app.net import is_loopback
+from serve_app.redact import Redactor, app_redactor
+
+if TYPE_CHECKING:
+    from serve_app.config import AppArgs
 
 
 @dataclass(frozen=True)
@@ -38,6 +43,21 @@ def configure(settings: IngressSettings) -> None:
     """Set this process's ingress settings (the ingress does it at start)."""
     global _current
     _current = settings
+
+
+def configure_for(args: AppArgs, host: str | None, request_timeout_s: float | None) -> str | None:
+    """Set this process's settings for an HTTP front of the app with `args` listening on `host`
+    (None: not known here); returns the control token (None: the app has none)."""
+    token = args.read_control_token()
+    configure(
+        IngressSettings(
+            access=Access(token=token, loopback_only=host is not None and is_loopback(host)),
+            max_body_bytes=args.request_limits.max_body_bytes,
+            request_timeout_s=request_timeout_s,
+            redact=app_redactor(args),
+        )
+    )
+    return token
 
 
 def current() -> IngressSettings:

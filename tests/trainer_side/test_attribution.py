@@ -28,7 +28,6 @@ from .helpers import (
 pytestmark = pytest.mark.integration
 
 
-
 @dataclass
 class Run:
     steps: list[int]

@@ -8,7 +8,8 @@ import pytest
 
 from serve_app.app import parse_args
 from serve_app.config import MIN_TOKEN_CHARS
-from serve_app.ingress.auth import AccessError, _host_name, check_exposure, is_loopback
+from serve_app.ingress.auth import AccessError, _host_name, check_exposure
+from serve_app.net import is_loopback
 
 TOKEN = "t" * MIN_TOKEN_CHARS
 
@@ -70,8 +71,17 @@ def test_a_port_beyond_loopback_needs_a_token():
 
 @pytest.mark.parametrize(
     ("host", "loopback"),
-    [("localhost", True), ("127.0.0.1", True), ("127.0.0.2", True), ("::1", True), ("LOCALHOST", True),
-     ("0.0.0.0", False), ("attacker.example", False), ("192.0.2.10", False), ("", False)],
+    [
+        ("localhost", True),
+        ("127.0.0.1", True),
+        ("127.0.0.2", True),
+        ("::1", True),
+        ("LOCALHOST", True),
+        ("0.0.0.0", False),
+        ("attacker.example", False),
+        ("192.0.2.10", False),
+        ("", False),
+    ],
 )
 def test_loopback_names(host, loopback):
     assert is_loopback(host) is loopback
@@ -79,8 +89,14 @@ def test_loopback_names(host, loopback):
 
 @pytest.mark.parametrize(
     ("header", "name"),
-    [("localhost:8000", "localhost"), ("127.0.0.1", "127.0.0.1"), ("[::1]:8000", "::1"), ("[::1]", "::1"),
-     ("attacker.example:80", "attacker.example"), ("::1", "::1")],
+    [
+        ("localhost:8000", "localhost"),
+        ("127.0.0.1", "127.0.0.1"),
+        ("[::1]:8000", "::1"),
+        ("[::1]", "::1"),
+        ("attacker.example:80", "attacker.example"),
+        ("::1", "::1"),
+    ],
 )
 def test_host_header_names_without_their_port(header, name):
     assert _host_name(header) == name
