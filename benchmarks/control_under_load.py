@@ -1083,6 +1083,7 @@ def main(
     args: dict[str, Any] = {**cfg_args, "save_path": str(work / "traces"), "weights_dir": str(work / "weights")}
     if engine == "vllm":  # one engine each side: the 2 cores hold two vLLM engines, not three
         args["num_replicas"] = 1
+    args.pop("control_listener", None)  # a config's port: this run's is free, or there is none
     if control_via == "listener":
         args["control_listener"] = {"port": free_port()}
     threads = replica_omp_threads(args)
@@ -1093,9 +1094,9 @@ def main(
     body = {"model": parsed.model_name, "max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True, "n": n}
     name = spec.get("name", "rollout")
     report = Report(
-        engine=engine, config=config, against=against, control_via=control_via, clients=ns, seconds=seconds, rounds=rounds,
-        sync_every_s=sync_every_s, sync_spacing_s=plan.spacing_s, n=n, max_tokens=max_tokens, omp_threads=threads,
-        source=_source(),
+        engine=engine, config=config, against=against, control_via=control_via, clients=ns, seconds=seconds,
+        rounds=rounds, sync_every_s=sync_every_s, sync_spacing_s=plan.spacing_s, n=n, max_tokens=max_tokens,
+        omp_threads=threads, source=_source(),
         machine={"cpus": os.cpu_count(), "loadavg_at_start": os.getloadavg(), "open_files": fds,
                  "load_generator": f"aiohttp {aiohttp.__version__}, in a child process"},
     )  # fmt: skip

@@ -96,7 +96,7 @@ class RolloutClient:
             return httpx.AsyncClient(base_url=url.rstrip("/"), headers=headers, timeout=timeout_s, limits=limits)
 
         self._http = connect(base_url)
-        self._control_http = connect(control_url) if control_url is not None else self._http
+        self._control_http = connect(control_url) if control_url is not None else None
         self._retries = retries
         self._backoff = retry_backoff_s
         self._backlog_wait_s = backlog_wait_s
@@ -112,7 +112,7 @@ class RolloutClient:
 
     async def aclose(self) -> None:
         await self._http.aclose()
-        if self._control_http is not self._http:
+        if self._control_http is not None:
             await self._control_http.aclose()
 
     async def _control_wait(self, call: ControlCall, body: UpdateWeightsRequest | None = None) -> float:
@@ -137,7 +137,8 @@ class RolloutClient:
         retry: bool,
         wait_s: float | None = None,
     ) -> R:
-        http = self._control_http if path.startswith(_CONTROL_PREFIXES) else self._http
+        control = self._control_http is not None and path.startswith(_CONTROL_PREFIXES)
+        http = self._control_http if control and self._control_http is not None else self._http
         # An OpenAI body carries only the fields the caller set: a default sent explicitly would
         # read as "set" to the ingress, which refuses fields the engine cannot honour.
         sampling = isinstance(body, SamplingFields)

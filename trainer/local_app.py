@@ -94,7 +94,7 @@ def local_rollout_app(serve_config: str | Path, overrides: dict[str, Any]) -> It
     """Run the first application of `serve_config` with `overrides` applied to its args, on a
     private local cluster bound to loopback. `replica_env` in `overrides` adds to the config's."""
     from serve_app.app import parse_args
-    from serve_app.net import http_url
+    from serve_app.net import free_port, http_url
     from serve_app.tiny_model import ensure_tiny_model
 
     try:
@@ -103,6 +103,8 @@ def local_rollout_app(serve_config: str | Path, overrides: dict[str, Any]) -> It
         raise ValueError(f"{serve_config} is not a Serve config with an application: {e}") from e
     config_args = spec.get("args", {})
     args = {**config_args, **overrides}
+    if isinstance(args.get("control_listener"), dict):  # private like the HTTP port: loopback, a free port
+        args["control_listener"] = {**args["control_listener"], "host": "127.0.0.1", "port": free_port()}
     if "replica_env" in overrides:
         args["replica_env"] = {**config_args.get("replica_env", {}), **overrides["replica_env"]}
     parsed = parse_args(args)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -15,6 +16,7 @@ import pytest
 from serve_app.api import StartProfileRequest, StartProfileResponse
 from serve_app.app import parse_args
 from serve_app.errors import Conflict
+from serve_app.ingress import settings
 from serve_app.ingress.control_listener import ControlListener, ControlListenerError, bind
 from serve_app.net import free_port
 
@@ -33,6 +35,14 @@ class FakeController:
             raise Conflict("step 8 is being profiled; stop it before starting step 9")
         self.starts.append(req)
         return StartProfileResponse(step=req.step, steps=[req.step], state="profiling", replicas=[])
+
+
+@pytest.fixture(autouse=True)
+def _own_settings() -> Iterator[None]:
+    """A listener sets this process's ingress settings: the next test gets the ones it had."""
+    before = settings.current()
+    yield
+    settings.configure(before)
 
 
 def _args(tmp_path: Path, port: int, **more: object):
