@@ -67,7 +67,9 @@ def _event(f: IO[str], first: list[bool], text: str) -> None:
     first[0] = False
 
 
-def write_trace(path: Path, pid: int, target_bytes: int, clock_error_ns: int, step: int, version: int) -> dict:
+def write_trace(
+    path: Path, pid: int, target_bytes: int, clock_error_ns: int, step: int, version: int
+) -> dict:
     """A Kineto-shaped trace of about `target_bytes`, written as it is generated; returns its
     entry fields."""
     to_ts = lambda wall_ns: (wall_ns - clock_error_ns - BASE_NS) / 1000  # noqa: E731 - trace clock
@@ -187,12 +189,16 @@ def build_step(root: Path, total_mb: int, replicas: int) -> TraceStore:
     for n, (identity, size) in enumerate(zip(identities, sizes, strict=True)):
         out = store.entry_dir(1, identity)
         out.mkdir(parents=True, exist_ok=True)
-        fields = write_trace(out / name, 4000 + n, size, clock_error_ns=(n - 2) * 3_000_000, step=1, version=0)
+        fields = write_trace(
+            out / name, 4000 + n, size, clock_error_ns=(n - 2) * 3_000_000, step=1, version=0
+        )
         entry = identity.model_copy(
             update={**fields, "files": [store.relative(1, out / name)], "bytes": (out / name).stat().st_size}
         )
         if identity.role == "trainer":
-            entry.sync = SyncCost(stop_s=0.05, update_s=0.4, start_s=0.03, began_at=fields["stopped_at"] + 0.01)
+            entry.sync = SyncCost(
+                stop_s=0.05, update_s=0.4, start_s=0.03, began_at=fields["stopped_at"] + 0.01
+            )
         store.write_entry(1, entry)
     store.refresh_manifest(1)
     return store
@@ -246,7 +252,9 @@ def main(
             f"merged {record.events:,} events into {merged.stat().st_size / 1e6:.0f} MB in {wall:.1f} s; "
             f"clock offsets: {offsets}"
         )
-        console.print(f"peak RSS of the merge: {rss / 2**20:.0f} MiB (imports alone: {base_rss / 2**20:.0f} MiB)")
+        console.print(
+            f"peak RSS of the merge: {rss / 2**20:.0f} MiB (imports alone: {base_rss / 2**20:.0f} MiB)"
+        )
         console.print(
             f"peak RSS / largest input (uncompressed JSON on disk, {largest / 2**20:.0f} MiB): "
             f"[bold]{rss / largest:.2f}[/bold] (goal <= 3)"

@@ -267,7 +267,9 @@ def cpu_by_role(
             fields = (p / "stat").read_text().rsplit(")", 1)[1].split()
             used = (int(fields[11]) + int(fields[12])) * _TICK_S
             role = (
-                _role(pid, me, ref, ref_root, ref_tree, replica_roots, app_tree, named or {}) if pid in ours else OTHERS
+                _role(pid, me, ref, ref_root, ref_tree, replica_roots, app_tree, named or {})
+                if pid in ours
+                else OTHERS
             )
             cpu[role] = cpu.get(role, 0.0) + used
     return cpu

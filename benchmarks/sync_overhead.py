@@ -52,17 +52,10 @@ def main(rounds: int = typer.Option(40, help="Syncs per mode.")) -> None:
     weights = tmp / "weights" / "w.safetensors"
     save_file(load_file(str(model / "model.safetensors")), str(weights))
     with local_cluster() as port:
-        url = run_app(
-            port,
-            "rollout",
-            {
-                "num_replicas": 2,
-                "save_path": str(tmp / "traces"),
-                "weights_dir": str(tmp / "weights"),
-                "model_path": str(model),
-                "min_free_disk_mb": 1,
-            },
-        )
+        url = run_app(port, "rollout", {
+            "num_replicas": 2, "save_path": str(tmp / "traces"), "weights_dir": str(tmp / "weights"),
+            "model_path": str(model), "min_free_disk_mb": 1,
+        })
         times = asyncio.run(_measure(url, weights, rounds))
     off, on = statistics.median(times["off"]), statistics.median(times["configured"])
     console.print(

@@ -62,7 +62,9 @@ out = Console(highlight=False, width=_WIDTH)
 err = Console(stderr=True, highlight=False, width=_WIDTH)
 
 Dir = Annotated[Path, typer.Argument(help="A save_path: the directory holding step_<k>/ directories.")]
-Steps = Annotated[list[int] | None, typer.Option("--step", help="A step (repeat for several; default: every step).")]
+Steps = Annotated[
+    list[int] | None, typer.Option("--step", help="A step (repeat for several; default: every step).")
+]
 AsJson = Annotated[bool, typer.Option("--json", help="Print JSON on stdout (for scripts).")]
 
 
@@ -114,7 +116,9 @@ def _steps(store: TraceStore, steps: list[int] | None) -> list[int]:
 
 
 @contextmanager
-def _byte_progress(label: str, store: TraceStore, steps: list[int], quiet: bool) -> Iterator[Callable[[int], None]]:
+def _byte_progress(
+    label: str, store: TraceStore, steps: list[int], quiet: bool
+) -> Iterator[Callable[[int], None]]:
     """A bar over the on-disk size of the steps' trace files; yields its advance function."""
     total = 0
     for k in steps:
@@ -509,7 +513,9 @@ def _print_diff(d: StepDiff) -> None:
     for col in ("figure", "unit", f"step {d.a}", f"step {d.b}", "delta", "ratio"):
         changes.add_column(col, justify="left" if col in ("figure", "unit") else "right")
     for c in d.breakdown:
-        changes.add_row(c.name, c.unit, _s(c.a), _s(c.b), _s(c.delta), "-" if c.ratio is None else f"{c.ratio:.2f}x")
+        changes.add_row(
+            c.name, c.unit, _s(c.a), _s(c.b), _s(c.delta), "-" if c.ratio is None else f"{c.ratio:.2f}x"
+        )
     out.print(changes)
     basis = ", ".join(f"{role}: {b}" for role, b in d.ops_basis.items())
     ops = Table(title=f"ops by self time, most slowed-down first ({basis}; ms)")

@@ -61,7 +61,9 @@ class NpuOptions(StrictModel):
         "stack (with_stack). The top-level record_shapes/with_stack/with_memory also switch "
         "shapes/stack/memory on.",
     )
-    level: NpuLevel = Field("level0", description="torch_npu ProfilerLevel: level_none, level0, level1 or level2.")
+    level: NpuLevel = Field(
+        "level0", description="torch_npu ProfilerLevel: level_none, level0, level1 or level2."
+    )
     analysis: bool = Field(
         True,
         description="torch_npu parses the raw data when the recording stops (tensorboard_trace_handler "

@@ -230,7 +230,9 @@ class SessionRecord(BaseModel):
     started_at: float
     stopped_at: float | None = None
     replicas: list[str] = Field(default_factory=list, description="Replicas that started it.")
-    failures: dict[str, str] = Field(default_factory=dict, description="replica_id -> why it has no (complete) trace.")
+    failures: dict[str, str] = Field(
+        default_factory=dict, description="replica_id -> why it has no (complete) trace."
+    )
     auto_stopped: str | None = None
     clock_offsets: dict[str, ClockOffset] = Field(
         default_factory=dict, description="replica_id -> its wall clock against the controller's."
@@ -335,7 +337,9 @@ class StepManifest(BaseModel):
                 known = by_key.get(f"rollout/{rid}")
                 if known is None or known.exporting:
                     base = known or ManifestEntry(role="rollout", replica_id=rid)
-                    by_key[base.key] = base.model_copy(update={"status": "error", "exporting": False, "error": why})
+                    by_key[base.key] = base.model_copy(
+                        update={"status": "error", "exporting": False, "error": why}
+                    )
         if session is not None:  # the controller measured the replicas' clocks
             for rid, offset in session.clock_offsets.items():
                 known = by_key.get(f"rollout/{rid}")

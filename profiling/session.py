@@ -133,7 +133,9 @@ class ProfileSession:
         if self._spec is not None:
             if self._spec.step == spec.step:
                 return False
-            raise SessionConflict(f"step {self._spec.step} is being profiled; stop it before starting step {spec.step}")
+            raise SessionConflict(
+                f"step {self._spec.step} is being profiled; stop it before starting step {spec.step}"
+            )
         backend = self._backend_factory(spec)
         out_dir = self._store.entry_dir(spec.step, self._identity)
         entry = self._identity.model_copy(

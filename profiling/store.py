@@ -1,14 +1,14 @@
 """The trace store: the on-disk layout of docs/design.md#traces-on-disk, atomic writes, and guards.
 
-<save_path>/step_<k>/manifest.json
-<save_path>/step_<k>/session.json                 controller's record
-<save_path>/step_<k>/rollout/<replica_id>/...     engine traces + entry.record
-<save_path>/step_<k>/trainer/rank_<r>/...         trainer traces + entry.record
-<save_path>/step_<k>/trainer/ranks.record         the trainer ranks selected, and those that died
-<save_path>/step_<k>/ranks/                       every trace as a rank (profiling.analysis.tool_view)
-<save_path>/step_<k>/merged.trace.json.gz         one timeline (profiling.analysis.merge)
-<save_path>/step_<k>/merge.json                   the last merge's record
-<save_path>/step_<k>/.write.lock                  held while a merge or the ranks view writes (`writing`)
+    <save_path>/step_<k>/manifest.json
+    <save_path>/step_<k>/session.json                 controller's record
+    <save_path>/step_<k>/rollout/<replica_id>/...     engine traces + entry.record
+    <save_path>/step_<k>/trainer/rank_<r>/...         trainer traces + entry.record
+    <save_path>/step_<k>/trainer/ranks.record         the trainer ranks selected, and those that died
+    <save_path>/step_<k>/ranks/                       every trace as a rank (profiling.analysis.tool_view)
+    <save_path>/step_<k>/merged.trace.json.gz         one timeline (profiling.analysis.merge)
+    <save_path>/step_<k>/merge.json                   the last merge's record
+    <save_path>/step_<k>/.write.lock                  held while a merge or the ranks view writes (`writing`)
 """
 
 from __future__ import annotations
@@ -127,7 +127,8 @@ class TraceStore:
                 pass
         except OSError as e:
             raise StorageError(
-                f"save_path {self.root} is not writable ({e.strerror}); point save_path at a writable directory"
+                f"save_path {self.root} is not writable ({e.strerror}); "
+                "point save_path at a writable directory"
             ) from e
         free_mb = shutil.disk_usage(self.root).free / 2**20
         if free_mb < min_free_mb:

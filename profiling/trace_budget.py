@@ -196,3 +196,4 @@ def _write(
             first = False
     written += dst.write(b"\n]}\n")
     return written
+

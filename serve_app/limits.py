@@ -45,7 +45,9 @@ class StartLimits(StrictModel):
                 f"{self.max_forward_steps}"
             )
         if self.max_trace_mb is not None and (options.max_trace_mb is None or options.max_trace_mb > self.max_trace_mb):
-            found.append(f"max_trace_mb {options.max_trace_mb} exceeds start_limits.max_trace_mb {self.max_trace_mb}")
+            found.append(
+                f"max_trace_mb {options.max_trace_mb} exceeds start_limits.max_trace_mb {self.max_trace_mb}"
+            )
         for flag in ("record_shapes", "with_stack", "with_memory"):
             if getattr(options, flag) and not getattr(self, flag):
                 found.append(f"{flag} is not allowed by start_limits.{flag}")

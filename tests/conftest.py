@@ -98,3 +98,4 @@ def pytest_terminal_summary(terminalreporter, config) -> None:
         terminalreporter.section(title)
         for line in lines:
             terminalreporter.write_line(line)
+

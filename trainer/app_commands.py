@@ -22,12 +22,16 @@ R = TypeVar("R", bound=BaseModel)
 Url = Annotated[str, typer.Option(help="The app's base URL, e.g. http://127.0.0.1:8000.")]
 Token = Annotated[
     str | None,
-    typer.Option(envvar=TOKEN_ENV, help=f"Control token (sent as 'Authorization: Bearer'); also ${TOKEN_ENV}."),
+    typer.Option(
+        envvar=TOKEN_ENV, help=f"Control token (sent as 'Authorization: Bearer'); also ${TOKEN_ENV}."
+    ),
 ]
 Timeout = Annotated[float, typer.Option(help="Seconds to wait for the app's answer.")]
 
 
-def _call(url: str, token: str | None, timeout: float, model: type[R], method: str, *args: Any, **kwargs: Any) -> R:
+def _call(
+    url: str, token: str | None, timeout: float, model: type[R], method: str, *args: Any, **kwargs: Any
+) -> R:
     """One call through the client (`method` answers a `model`); exits 3 if the app cannot be
     reached and 1 if it refuses."""
     # No retries: a script calling the CLI decides itself whether to try again.

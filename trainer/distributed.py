@@ -188,3 +188,4 @@ def compose(to_driver: ClockOffset, driver_to_app: ClockOffset | None) -> ClockO
         bound_ns=to_driver.bound_ns + driver_to_app.bound_ns,
         samples=to_driver.samples,
     )
+

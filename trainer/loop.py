@@ -84,7 +84,9 @@ async def _produce(
     while True:
         prompts = [PROMPTS[(n + i) % len(PROMPTS)] for i in range(r.prompts_per_request)]
         n += r.prompts_per_request
-        resp = await client.complete(prompts, max_tokens=r.max_tokens, temperature=r.temperature, logprobs=1)
+        resp = await client.complete(
+            prompts, max_tokens=r.max_tokens, temperature=r.temperature, logprobs=1
+        )
         for c in resp.choices:
             logprobs = c.logprobs.token_logprobs if c.logprobs else []
             if any(lp is None for lp in logprobs):  # OpenAI's None is an echoed prompt's first token

@@ -68,4 +68,6 @@ class AutoMerger:
             log.error("could not start the merge of step %s (%s); run: %s", step, e, " ".join(cmd[1:]))
             return
         if proc.returncode != 0:
-            log.error("merge of step %s failed (exit %s): %s", step, proc.returncode, proc.stderr.strip()[-2000:])
+            log.error(
+                "merge of step %s failed (exit %s): %s", step, proc.returncode, proc.stderr.strip()[-2000:]
+            )

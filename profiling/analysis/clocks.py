@@ -34,7 +34,9 @@ class ClockProbe:
         self.entry = entry
         clock = entry.clock
         self.samples: list[tuple[str, ClockSample]] = (
-            [(at, s) for at, s in (("start", clock.start), ("stop", clock.stop)) if s is not None] if clock else []
+            [(at, s) for at, s in (("start", clock.start), ("stop", clock.stop)) if s is not None]
+            if clock
+            else []
         )
         self.wanted = frozenset(s.marker for _, s in self.samples)
         """Marker names to look for (hot loops test membership before calling `note`)."""

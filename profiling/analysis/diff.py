@@ -82,7 +82,9 @@ def diff_steps(a: StepSummary, b: StepSummary, top: int | None = 20) -> StepDiff
         ops_a = _op_totals(pa, steps_a if per_step else 1)
         ops_b = _op_totals(pb, steps_b if per_step else 1)
         for name in ops_a.keys() | ops_b.keys():
-            out.ops.append(Delta.of(name, round(ops_a.get(name, 0.0), 4), round(ops_b.get(name, 0.0), 4), role))
+            out.ops.append(
+                Delta.of(name, round(ops_a.get(name, 0.0), 4), round(ops_b.get(name, 0.0), 4), role)
+            )
     out.ops.sort(key=lambda d: -(d.delta_ms or 0.0))
     if top is not None:
         out.ops = out.ops[:top]

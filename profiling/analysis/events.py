@@ -75,7 +75,9 @@ def sniff(path: Path) -> TraceFormat:
     return TraceFormat("traceEvents.item", int(base.group(1)) if base else None)
 
 
-def iter_events(path: Path, fmt: TraceFormat, on_progress: Callable[[int], None] | None = None) -> Iterator[Event]:
+def iter_events(
+    path: Path, fmt: TraceFormat, on_progress: Callable[[int], None] | None = None
+) -> Iterator[Event]:
     """Every event of the trace, in file order. `on_progress(n)` is called with the number of
     on-disk bytes read since its last call (for progress bars)."""
     with open(path, "rb") as raw:

@@ -45,10 +45,14 @@ def timeline_png(summary: StepSummary, width_in: float = 12.0, dpi: int = 90) ->
         if p is None:
             for c in summary.control:
                 kind = c.name.split()[0]
-                ax.broken_barh([(c.start - t0, max(c.dur_s, min_w))], (y - 0.35, 0.7), color=COLORS.get(kind, "grey"))
+                ax.broken_barh(
+                    [(c.start - t0, max(c.dur_s, min_w))], (y - 0.35, 0.7), color=COLORS.get(kind, "grey")
+                )
             continue
         if p.started_at is not None and p.stopped_at is not None:
-            ax.broken_barh([(p.started_at - t0, p.stopped_at - p.started_at)], (y - 0.42, 0.84), color=COLORS["window"])
+            ax.broken_barh(
+                [(p.started_at - t0, p.stopped_at - p.started_at)], (y - 0.42, 0.84), color=COLORS["window"]
+            )
         for kind in ("forward", "weight_update"):
             spans = [(ph.start - t0, max(ph.dur_s, min_w)) for ph in p.phases if ph.kind == kind]
             if spans:

@@ -175,20 +175,22 @@ def _sync_table(s: StepSummary) -> str:
         return '<p class="note">No control-call timings for this step (no trainer entry with a sync).</p>'
     rows = "".join(
         f'<tr><td class="l">{_e(c.name)}</td><td class="l">{_e(c.caller)}</td>'
-        f"<td>{_e(_when(c.start))}</td><td>{c.dur_s * 1000:.1f}</td></tr>"
+        f'<td>{_e(_when(c.start))}</td><td>{c.dur_s * 1000:.1f}</td></tr>'
         for c in s.control
     )
-    return "<table><tr><th class='l'>call</th><th class='l'>by</th><th>sent at</th><th>ms</th></tr>" + rows + "</table>"
+    return (
+        "<table><tr><th class='l'>call</th><th class='l'>by</th><th>sent at</th><th>ms</th></tr>"
+        + rows
+        + "</table>"
+    )
 
 
 def _breakdown_section(s: StepSummary) -> list[str]:
     b = s.breakdown
     png = breakdown_png(s)
-    parts = (
-        []
-        if png is None
-        else [f'<img alt="breakdown of step {s.step}" src="data:image/png;base64,{base64.b64encode(png).decode()}">']
-    )
+    parts = [] if png is None else [
+        f'<img alt="breakdown of step {s.step}" src="data:image/png;base64,{base64.b64encode(png).decode()}">'
+    ]
     return [
         *parts,
         _replicas_table(b),
@@ -214,7 +216,7 @@ def _replicas_table(b: StepBreakdown) -> str:
         f'<tr><td class="l">{_e(r.replica_id)}</td><td>{_num(r.window_s)}</td><td>{_num(r.generating_s)}</td>'
         f"<td>{_num(r.held_s)}</td><td>{_num(r.idle_s)}</td><td>{_num(r.sync_held_s)}</td><td>{_num(r.finalizing_s)}</td>"
         f"<td>{_num(r.exporting_s)}</td><td>{r.requests}</td><td>{r.failed}</td><td>{r.prompt_tokens}</td>"
-        f"<td>{r.output_tokens}</td><td>{_num(r.slowest_s)}</td>"
+        f'<td>{r.output_tokens}</td><td>{_num(r.slowest_s)}</td>'
         f'<td class="l">{_e(_versions(r.weight_versions))}</td></tr>'
         for r in b.replicas
     )
@@ -230,7 +232,7 @@ def _trainer_table(b: StepBreakdown) -> str:
     )
     rows = "".join(
         f'<tr><td class="l">{t.rank}</td><td>{_num(t.window_s)}</td>'
-        f"<td>{_num(t.training_s)}</td><td>{_num(t.sync_s)}</td>"
+        f'<td>{_num(t.training_s)}</td><td>{_num(t.sync_s)}</td>'
         f"<td>{_num(t.other_s)}</td><td>{_num(t.finalizing_s)}</td><td>{_num(t.exporting_s)}</td></tr>"
         for t in b.trainer
     )
@@ -281,7 +283,8 @@ def _versions(counts: dict[int, int]) -> str:
 
 def _ops_table(p: ProcessSummary) -> str:
     rows = "".join(
-        f'<tr><td class="l">{_e(o.name)}</td><td>{o.count}</td><td>{o.self_ms:.3f}</td></tr>' for o in p.ops[:TOP_OPS]
+        f'<tr><td class="l">{_e(o.name)}</td><td>{o.count}</td><td>{o.self_ms:.3f}</td></tr>'
+        for o in p.ops[:TOP_OPS]
     )
     return (
         f"<div><h3>{_e(p.key)}</h3><table><tr><th class='l'>op</th><th>calls</th><th>self ms</th></tr>"
@@ -319,7 +322,9 @@ def _facts(rows: list[tuple[str, str]]) -> str:
 def _page(title: str, parts: list[str]) -> str:
     return (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
-        f"<title>{_e(title)}</title><style>{_CSS}</style></head><body>\n" + "\n".join(parts) + "\n</body></html>\n"
+        f"<title>{_e(title)}</title><style>{_CSS}</style></head><body>\n"
+        + "\n".join(parts)
+        + "\n</body></html>\n"
     )
 
 
@@ -333,7 +338,11 @@ def _num(v: float | None) -> str:
 
 
 def _when(t: float | None) -> str:
-    return "-" if t is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) + f".{int(t % 1 * 1000):03d}"
+    return (
+        "-"
+        if t is None
+        else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) + f".{int(t % 1 * 1000):03d}"
+    )
 
 
 def _e(text: str) -> str:

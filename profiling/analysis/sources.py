@@ -64,7 +64,9 @@ def control_calls(manifest: StepManifest) -> list[ControlCall]:
             (f"start step {manifest.steps[-1] + 1}", s.start_s),
         ):
             if dur is not None:
-                calls.append(ControlCall(name=name, start=at, dur_s=dur, caller=f"trainer rank {e.rank or 0}"))
+                calls.append(
+                    ControlCall(name=name, start=at, dur_s=dur, caller=f"trainer rank {e.rank or 0}")
+                )
                 at += dur
     return calls
 

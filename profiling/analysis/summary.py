@@ -255,7 +255,9 @@ class _ProcessReader:
         s.alignment.append(alignment)
         s.trace_files += 1
         for kind, ts, dur in spans:
-            s.phases.append(Phase(kind=kind, start=wall_ns(ts, inp.fmt.base_ns, alignment) / 1e9, dur_s=dur / 1e6))
+            s.phases.append(
+                Phase(kind=kind, start=wall_ns(ts, inp.fmt.base_ns, alignment) / 1e9, dur_s=dur / 1e6)
+            )
             if kind == "forward":
                 self.forward.append(dur / 1000)
             else:
@@ -277,7 +279,9 @@ class _ProcessReader:
         return s
 
 
-def summarize_step(store: TraceStore, step: int, on_progress: Callable[[int], None] | None = None) -> StepSummary:
+def summarize_step(
+    store: TraceStore, step: int, on_progress: Callable[[int], None] | None = None
+) -> StepSummary:
     """Summarize step `step` from its traces (StepNotFound if there is no such step)."""
     manifest = load_manifest(store, step)
     inputs, skipped = find_inputs(store.step_dir(step), manifest)

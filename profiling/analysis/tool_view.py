@@ -186,11 +186,8 @@ def _rewrite(src: Path, dst: Path, info: dict[str, int]) -> None:
     value = json.dumps(info).encode()  # `"rank": 3`, with the space HTA's pattern needs
     gz = dst.name.endswith(".gz")
     with (
-        (
-            igzip.open(dst, "wb", compresslevel=GZIP_LEVEL) if gz else open(dst, "wb")  # created before src is read
-        ) as out,
-        open_binary(src) as f,
-    ):
+        igzip.open(dst, "wb", compresslevel=GZIP_LEVEL) if gz else open(dst, "wb")  # created before src is read
+    ) as out, open_binary(src) as f:
         head = f.read(HEAD_BYTES)
         body = head.lstrip()
         if body.startswith(b"["):  # array form: wrap it as the object form that can say its rank

@@ -30,7 +30,9 @@ from profiling.backends.base import ProfilerBackend, RecordedTrace
 from profiling.store import atomic_write_text
 
 NOTE_FILE = "nsys_capture.json"
-NEEDS_CUDA = "tool 'nsys' needs a CUDA device and must run under `nsys profile --capture-range=cudaProfilerApi`"
+NEEDS_CUDA = (
+    "tool 'nsys' needs a CUDA device and must run under `nsys profile --capture-range=cudaProfilerApi`"
+)
 REPORT_WHERE = (
     "nsys writes the report (.nsys-rep) itself, not into this directory: at the path given by "
     "`nsys profile -o/--output` (default report<N>.nsys-rep in the directory nsys was started in); "

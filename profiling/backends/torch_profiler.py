@@ -99,7 +99,9 @@ class TorchProfilerBackend(ProfilerBackend):
 
     def _start(self) -> None:
         if "cuda" in self.options.activities and not torch.cuda.is_available():
-            raise RuntimeError("activities include 'cuda' but torch sees no CUDA device; use activities: [cpu]")
+            raise RuntimeError(
+                "activities include 'cuda' but torch sees no CUDA device; use activities: [cpu]"
+            )
         self._prof = profile(
             activities=[_ACTIVITIES[a] for a in self.options.activities],
             record_shapes=self.options.record_shapes,

@@ -15,7 +15,6 @@ ENGINE_TRACE_ROOT = ".engine"
 writes, before the export moves the files into the step directory (same filesystem, so moves are
 renames)."""
 
-
 def create_engine(
     args: AppArgs, session_factory: SessionFactory, replica_id: str, *, trace_root: Path
 ) -> RolloutEngine[Any]:

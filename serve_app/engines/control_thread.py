@@ -90,3 +90,4 @@ class ControlThread:
                 with self._cv:
                     if not self._tasks and self._running:
                         self._cv.wait(IDLE_INTERVAL_S)
+

@@ -41,7 +41,9 @@ def screenshot(page: Path, png: Path, width: int = 1280, height: int = 1400) -> 
             text=True,
             timeout=120,
         )
-    assert proc.returncode == 0 and png.is_file(), f"chromium failed ({proc.returncode}): {proc.stderr[-2000:]}"
+    assert proc.returncode == 0 and png.is_file(), (
+        f"chromium failed ({proc.returncode}): {proc.stderr[-2000:]}"
+    )
     return imread(png)[..., :3]
 
 

@@ -253,7 +253,9 @@ def write_step(
     store.refresh_manifest(step)
 
 
-def forward(i: int, step: int, version: int, at_ns: int, dur_us: float, ops: list[tuple[str, float]] = ()) -> list[Ev]:
+def forward(
+    i: int, step: int, version: int, at_ns: int, dur_us: float, ops: list[tuple[str, float]] = ()
+) -> list[Ev]:
     """A forward_step range and ops nested in it, back to back from its start."""
     evs = [Ev(f"forward_step#{i} step={step} weight_version={version}", at_ns, dur_us, cat="user_annotation")]
     t = at_ns + 1_000

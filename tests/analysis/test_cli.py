@@ -36,7 +36,9 @@ def procs(step: int) -> list[Proc]:
             r,
             os_pid=10 + i,
             events=[
-                e for k in range(3) for e in forward(k, step, step - 1, (k + 1) * MS, 300.0, [("aten::mm", 100.0)])
+                e
+                for k in range(3)
+                for e in forward(k, step, step - 1, (k + 1) * MS, 300.0, [("aten::mm", 100.0)])
             ],
             window=(0, 10 * MS),
             weight_version=step - 1,
@@ -148,7 +150,9 @@ def test_auto_merge_only_merges_settled_stale_steps(store):
 
 
 def test_module_entry_point_runs():
-    proc = subprocess.run([sys.executable, "-m", "profiling", "--help"], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "profiling", "--help"], capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 0 and "merge" in proc.stdout and "Exit codes" in proc.stdout
 
 

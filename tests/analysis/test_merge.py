@@ -27,8 +27,12 @@ def interleaved(errors: dict[str, int]) -> list[Proc]:
     procs = []
     for j, name in enumerate(names):
         role, label = ("trainer", "0") if name == "trainer" else ("rollout", name)
-        events = [e for i in range(4) for e in forward(i, 1, 0, (3 * i + j + 1) * MS, 200.0, [("aten::mm", 50.0)])]
-        procs.append(Proc(role, label, os_pid=4242, clock_error_ns=errors[name], events=events, window=(0, 20 * MS)))
+        events = [
+            e for i in range(4) for e in forward(i, 1, 0, (3 * i + j + 1) * MS, 200.0, [("aten::mm", 50.0)])
+        ]
+        procs.append(
+            Proc(role, label, os_pid=4242, clock_error_ns=errors[name], events=events, window=(0, 20 * MS))
+        )
     return procs
 
 
@@ -41,7 +45,9 @@ def forward_events(trace: dict) -> list[dict]:
 
 def process_names(trace: dict) -> dict[int, str]:
     return {
-        e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e.get("ph") == "M" and e["name"] == "process_name"
+        e["pid"]: e["args"]["name"]
+        for e in trace["traceEvents"]
+        if e.get("ph") == "M" and e["name"] == "process_name"
     }
 
 
@@ -87,9 +93,17 @@ def test_each_process_is_its_own_named_group_and_pids_never_collide(store):
         by_pid.setdefault(e["pid"], 0)
         by_pid[e["pid"]] += 1
     assert sorted(by_pid.values()) == [4, 4, 4]  # each input's events stayed in its own process
-    labels = {e["pid"]: e["args"]["labels"] for e in trace["traceEvents"] if e.get("name") == "process_labels"}
-    assert any("replica=r0" in v and "node=node-abcdef0123456789" in v and "weights=v0" in v for v in labels.values())
-    sort = {e["pid"]: e["args"]["sort_index"] for e in trace["traceEvents"] if e.get("name") == "process_sort_index"}
+    labels = {
+        e["pid"]: e["args"]["labels"] for e in trace["traceEvents"] if e.get("name") == "process_labels"
+    }
+    assert any(
+        "replica=r0" in v and "node=node-abcdef0123456789" in v and "weights=v0" in v for v in labels.values()
+    )
+    sort = {
+        e["pid"]: e["args"]["sort_index"]
+        for e in trace["traceEvents"]
+        if e.get("name") == "process_sort_index"
+    }
     assert sort[CONTROL_PID] < min(v for p, v in sort.items() if p != CONTROL_PID)
     # Kineto's string-pid side tracks fold into their process; flow ids are scoped per input.
     assert not any(isinstance(e.get("pid"), str) for e in events)
@@ -105,8 +119,12 @@ def test_control_calls_and_windows_are_on_the_timeline(store):
     merge_step(store, 3)
     trace = read_trace(store.step_dir(3) / MERGED_TRACE)
     base = trace["baseTimeNanoseconds"]
-    control = {e["name"]: e for e in trace["traceEvents"] if e.get("pid") == CONTROL_PID and e.get("ph") == "X"}
-    assert {"stop step 3", "update_weights v3", "start step 4", "controller: profiling step 3"} <= set(control)
+    control = {
+        e["name"]: e for e in trace["traceEvents"] if e.get("pid") == CONTROL_PID and e.get("ph") == "X"
+    }
+    assert {"stop step 3", "update_weights v3", "start step 4", "controller: profiling step 3"} <= set(
+        control
+    )
     stop, update, start = control["stop step 3"], control["update_weights v3"], control["start step 4"]
     assert abs(base + stop["ts"] * 1000 - (T0_NS + 15 * MS)) < 1_000
     assert stop["dur"] == pytest.approx(10_000) and update["dur"] == pytest.approx(20_000)
@@ -279,7 +297,9 @@ def test_store_merges_in_the_background_when_a_step_settles(tmp_path):
     write_step(producer, 2, procs)  # complete: merged
     deadline = time.monotonic() + 60
     merged = producer.step_dir(2) / MERGED_TRACE
-    while not (merged.is_file() and producer.read_manifest(2).merge is not None) and time.monotonic() < deadline:
+    while (
+        not (merged.is_file() and producer.read_manifest(2).merge is not None) and time.monotonic() < deadline
+    ):
         time.sleep(0.1)
     assert merged.is_file(), "the settled step was not merged in the background"
     assert producer.read_manifest(2).merge.status == "ok"

@@ -68,7 +68,9 @@ def test_reports_are_self_contained(store):
         assert len(pngs) == 2  # the timeline and the RL step breakdown
         assert all(base64.b64decode(png).startswith(b"\x89PNG") for png in pngs)
         # nothing loaded from anywhere: no external src/href, no scripts, no @import/url()
-        assert not re.search(r'(src|href)="(https?:)?//', html) and "<script" not in html and "url(" not in html
+        assert (
+            not re.search(r'(src|href)="(https?:)?//', html) and "<script" not in html and "url(" not in html
+        )
         for text in ("rollout/r0", "trainer/rank_0", "aten::mm", "start spread", "stop step", "clock_sync"):
             assert text in html, text
         # the RL step breakdown: the replicas' states, imbalance, long tail, versions, staleness

@@ -73,7 +73,11 @@ def test_per_process_and_cross_replica_summary(store):
     s = summarize_step(store, 1)
     r0, r1 = s.by_role("rollout")
     assert (r0.key, r1.key) == ("rollout/r0", "rollout/r1")
-    assert r0.forward_steps == 4 and r0.forward_ms == pytest.approx(2.0) and r0.forward_mean_ms == pytest.approx(0.5)
+    assert (
+        r0.forward_steps == 4
+        and r0.forward_ms == pytest.approx(2.0)
+        and r0.forward_mean_ms == pytest.approx(0.5)
+    )
     assert r1.forward_max_ms == pytest.approx(0.8)
     assert r0.weight_updates == 1 and r0.weight_update_ms == pytest.approx(0.3)
     assert r0.overhead.kineto_ms == pytest.approx(0.007)
@@ -94,17 +98,27 @@ def test_per_process_and_cross_replica_summary(store):
 
 
 def test_diff_says_what_got_slower(store):
-    write_step(store, 1, [replica("r0", 500.0, 200.0, 0, 12, step=1), replica("r1", 500.0, 200.0, 0, 12, step=1)])
-    write_step(store, 2, [replica("r0", 900.0, 600.0, 0, 12, step=2), replica("r1", 500.0, 200.0, 0, 12, step=2)])
+    write_step(
+        store, 1, [replica("r0", 500.0, 200.0, 0, 12, step=1), replica("r1", 500.0, 200.0, 0, 12, step=1)]
+    )
+    write_step(
+        store, 2, [replica("r0", 900.0, 600.0, 0, 12, step=2), replica("r1", 500.0, 200.0, 0, 12, step=2)]
+    )
     d = diff_steps(summarize_step(store, 1), summarize_step(store, 2))
     assert (d.a, d.b) == (1, 2) and d.ops_basis == {"rollout": "per forward step"}
     top = d.ops[0]
     # aten::mm: (200 + 200) µs per step -> (600 + 200) µs, over 4 steps each on 2 replicas
     assert (top.name, top.role) == ("aten::mm", "rollout")
-    assert top.a_ms == pytest.approx(0.2) and top.b_ms == pytest.approx(0.4) and top.ratio == pytest.approx(2.0)
+    assert (
+        top.a_ms == pytest.approx(0.2) and top.b_ms == pytest.approx(0.4) and top.ratio == pytest.approx(2.0)
+    )
     phases = {(p.role, p.name): p for p in d.phases}
     fwd = phases[("rollout", "forward step, mean")]
-    assert fwd.a_ms == pytest.approx(0.5) and fwd.b_ms == pytest.approx(0.7) and fwd.delta_ms == pytest.approx(0.2)
+    assert (
+        fwd.a_ms == pytest.approx(0.5)
+        and fwd.b_ms == pytest.approx(0.7)
+        and fwd.delta_ms == pytest.approx(0.2)
+    )
     assert phases[("rollout", "forward step, slowest process mean")].b_ms == pytest.approx(0.9)
     assert phases[(None, "sync: stop")].a_ms is None  # no trainer, no sync timing
 

@@ -25,7 +25,9 @@ def recorded(tmp_path_factory, spec) -> TraceStore:
     store = TraceStore(tmp_path_factory.mktemp("torch") / "profile")
     options = ProfileOptions(max_duration_s=None)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64))
-    store.write_session(1, SessionRecord(step=1, steps=[1], tool="torch", options=options, started_at=time.time()))
+    store.write_session(
+        1, SessionRecord(step=1, steps=[1], tool="torch", options=options, started_at=time.time())
+    )
     identities = [
         ManifestEntry(role="rollout", replica_id="r0", node_id="n0"),
         ManifestEntry(role="rollout", replica_id="r1", node_id="n0"),
@@ -56,7 +58,10 @@ def test_session_records_clock_samples_at_start_and_stop(recorded):
         for sample in (e.clock.start, e.clock.stop):
             assert sample.marker.startswith("clock_sync ") and sample.wall_before_ns <= sample.wall_after_ns
         assert (
-            e.started_at * 1e9 <= e.clock.start.wall_before_ns <= e.clock.stop.wall_after_ns <= e.stopped_at * 1e9 + 1e9
+            e.started_at * 1e9
+            <= e.clock.start.wall_before_ns
+            <= e.clock.stop.wall_after_ns
+            <= e.stopped_at * 1e9 + 1e9
         )
 
 
@@ -81,7 +86,9 @@ def test_merge_measures_each_offset_and_places_forward_steps_inside_their_window
         assert w["ts"] <= e["ts"] and e["ts"] + e["dur"] <= w["ts"] + w["dur"], (e, w)
     # and the trainer's sync comes after its own recording, in wall-clock order
     stop = next(e for e in trace["traceEvents"] if e.get("name") == "stop step 1")
-    trainer_window = next(w for w in windows.values() if w["args"]["forward_steps"] == 6 and w["pid"] // 1000 == 1)
+    trainer_window = next(
+        w for w in windows.values() if w["args"]["forward_steps"] == 6 and w["pid"] // 1000 == 1
+    )
     assert stop["ts"] >= trainer_window["ts"]
     assert base > 0
 
@@ -97,7 +104,11 @@ def test_summary_of_real_traces(recorded):
         assert "aten::addmm" in names and not any(
             n.startswith(("forward_step#", "clock_sync", "PyTorch Profiler")) for n in names
         )
-        assert p.overhead.finalize_ms is not None and p.overhead.export_ms is not None and p.overhead.clock_sync_ms > 0
+        assert (
+            p.overhead.finalize_ms is not None
+            and p.overhead.export_ms is not None
+            and p.overhead.clock_sync_ms > 0
+        )
         # self times of the ops never add up to more than the process's forward steps + update
         assert sum(o.self_ms for o in p.ops) <= p.forward_ms + p.weight_update_ms + 1.0
     assert s.skew.replicas == 2 and s.skew.slowest_replica in ("r0", "r1")

@@ -54,7 +54,9 @@ def init_custom_process_group(
         rendezvous,
     )
 
-    assert (store is None) or (init_method is None), "Cannot specify both init_method and store."
+    assert (store is None) or (init_method is None), (
+        "Cannot specify both init_method and store."
+    )
 
     if store is not None:
         assert world_size > 0, "world_size must be positive if using store"
@@ -83,7 +85,9 @@ def init_custom_process_group(
     # NOTE: The pg_options parameter was renamed into backend_options in PyTorch 2.6.0
     # https://github.com/pytorch/pytorch/commit/a0c7029a75628cd5fa8df83c0de0ea98ee7fd844
     # We need to determine the appropriate parameter name based on PyTorch version
-    pg_options_param_name = "backend_options" if torch_release >= (2, 6) else "pg_options"
+    pg_options_param_name = (
+        "backend_options" if torch_release >= (2, 6) else "pg_options"
+    )
     pg, _ = _new_process_group_helper(
         world_size,
         rank,

@@ -358,6 +358,8 @@ HTTP = HttpOptions(app="vllm_app", timeout=120.0)
 """How `http` (conftest.py) reaches this module's app."""
 
 
+
+
 def forward_markers(trace: dict) -> list[tuple[int, int, int]]:
     """(index, step, weight_version) of every forward-step range, in time order."""
     marks = sorted(

@@ -28,6 +28,7 @@ from .helpers import (
 pytestmark = pytest.mark.integration
 
 
+
 @dataclass
 class Run:
     steps: list[int]

@@ -43,11 +43,8 @@ def run_cli(tmp: Path, *overrides: str, config: str = "config/trainer.yaml", ret
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
     cmd = [
-        sys.executable,
-        "-m",
-        "trainer",
-        "--config",
-        config,
+        sys.executable, "-m", "trainer",
+        "--config", config,
         *overrides,
         f"global_profiler.save_path={profile}",
         f"trainer.weights_dir={weights}",
@@ -219,6 +216,7 @@ def test_main_job_holds_are_recorded_and_hta_loads_the_step_as_ranks(main_job, k
     for rank in analyzer.t.traces:
         names = analyzer.t.get_trace(rank)["name"].map(lambda i: table[i])
         assert names.str.startswith("forward_step#").sum() > 0, f"step {k}: rank {rank} has no forward step"
+
 
 
 def test_main_job_verifies_clean_and_a_corrupted_marker_fails(main_job, tmp_path):

@@ -55,9 +55,7 @@ def test_main_job_prints_and_writes_what_the_page_says(quickstart_main_job):
         assert (step / "trainer" / "rank_0" / "entry.record").is_file()
         assert m["sync"] is not None and m["sync"]["stop_s"] is not None, m["sync"]
     assert sorted(p.name for p in (REPO_ROOT / "outputs" / "weights").iterdir()) == [
-        "v28.safetensors",
-        "v29.safetensors",
-        "v30.safetensors",
+        "v28.safetensors", "v29.safetensors", "v30.safetensors"
     ]
 
 

@@ -18,7 +18,9 @@ def test_crash_while_step_3_is_profiled_stops_it_and_completes_its_traces(deploy
     # On-policy samples only: each version trains on completions generated on the version before
     # it, so steps 2 and 3 both have forward passes to check (with stale samples allowed, queued
     # older completions can train a version with no generation in its window).
-    cfg = training_config(app, "global_profiler.steps=[2,3]", "trainer.total_versions=6", "rollout.max_staleness=0")
+    cfg = training_config(
+        app, "global_profiler.steps=[2,3]", "trainer.total_versions=6", "rollout.max_staleness=0"
+    )
     calls = []
     real_train_step = Policy.train_step
 

@@ -13,7 +13,8 @@ def test_route_reference_is_up_to_date():
     page = openapi_doc.DOC.read_text()
     fresh = openapi_doc.splice(page, openapi_doc.render_reference(openapi_doc.build_openapi()))
     assert fresh == page, (
-        f"{openapi_doc.DOC.name} is out of date with the app's routes; regenerate it: {openapi_doc.REGENERATE}"
+        f"{openapi_doc.DOC.name} is out of date with the app's routes; regenerate it: "
+        f"{openapi_doc.REGENERATE}"
     )
 
 

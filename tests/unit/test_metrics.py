@@ -27,15 +27,8 @@ def rollout(rid: str, *, exporting: bool = False, size: int = 100) -> ManifestEn
 def test_exports_are_counted_once_even_when_reported_before_they_finish(store: TraceStore):
     step = 901
     store.write_session(
-        step,
-        SessionRecord(
-            step=step,
-            steps=[step],
-            tool="torch",
-            options=ProfileOptions(),
-            started_at=time.time(),
-            stopped_at=time.time(),
-        ),
+        step, SessionRecord(step=step, steps=[step], tool="torch", options=ProfileOptions(),
+                            started_at=time.time(), stopped_at=time.time())
     )
     store.write_entry(step, rollout("a", size=100))
     store.write_entry(step, rollout("b", exporting=True))
@@ -67,24 +60,18 @@ def test_settled_manifest_is_counted_at_once():
 
 def status(*replicas: ReplicaReport, active_step: int | None = None) -> StatusResponse:
     return StatusResponse(
-        state="profiling" if active_step else "idle",
-        active_step=active_step,
-        weight_version=3,
-        paused=False,
-        replicas=list(replicas),
-        control_timeout_s=30.0,
+        state="profiling" if active_step else "idle", active_step=active_step, weight_version=3,
+        paused=False, replicas=list(replicas), control_timeout_s=30.0,
     )
 
 
 def test_fleet_gauges_follow_the_status_broadcast():
-    metrics.refresh_fleet(
-        status(
-            ReplicaReport(replica_id="r1", state="profiling", weight_version=3),
-            ReplicaReport(replica_id="r2", ok=False, error="no answer within 3.0s"),
-            ReplicaReport(replica_id="unknown", ok=False, error="no answer"),
-            active_step=7,
-        )
-    )
+    metrics.refresh_fleet(status(
+        ReplicaReport(replica_id="r1", state="profiling", weight_version=3),
+        ReplicaReport(replica_id="r2", ok=False, error="no answer within 3.0s"),
+        ReplicaReport(replica_id="unknown", ok=False, error="no answer"),
+        active_step=7,
+    ))
     assert sample("rollout_profiler_active_step") == 7
     assert sample("rollout_profiler_replica_up", replica_id="r1") == 1
     assert sample("rollout_profiler_replica_state", replica_id="r1", state="profiling") == 1
@@ -99,9 +86,9 @@ def test_fleet_gauges_follow_the_status_broadcast():
     assert sample("rollout_profiler_active_step") == 0
     for gone in ("r1", "r2"):  # replicas that left the fleet leave the metrics
         assert REGISTRY.get_sample_value("rollout_profiler_replica_up", {"replica_id": gone}) is None
-        assert (
-            REGISTRY.get_sample_value("rollout_profiler_replica_state", {"replica_id": gone, "state": "idle"}) is None
-        )
+        assert REGISTRY.get_sample_value(
+            "rollout_profiler_replica_state", {"replica_id": gone, "state": "idle"}
+        ) is None
     assert sample("rollout_profiler_replica_state", replica_id="r3", state="idle") == 1
 
     metrics.refresh_fleet(None)  # the broadcast itself failed: no replica is known

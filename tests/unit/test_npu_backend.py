@@ -107,12 +107,8 @@ class FakeTorchNpu(types.ModuleType):
             fake.calls.append(
                 (
                     "tensorboard_trace_handler",
-                    {
-                        "dir_name": dir_name,
-                        "worker_name": worker_name,
-                        "analyse_flag": analyse_flag,
-                        "async_mode": async_mode,
-                    },
+                    {"dir_name": dir_name, "worker_name": worker_name, "analyse_flag": analyse_flag,
+                     "async_mode": async_mode},
                 )
             )
             return FakeTraceHandler(fake, dir_name, worker_name, analyse_flag)
@@ -185,15 +181,8 @@ class FakeTraceHandler:
             (out / "ascend_pytorch_profiler_0.db").write_bytes(b"SQLite format 3\x00fake")
             return
         events = [
-            {
-                "name": r["name"],
-                "ph": "X",
-                "ts": r["ts"],
-                "dur": r.get("dur", 0),
-                "pid": os.getpid(),
-                "tid": 0,
-                "cat": "mstx",
-            }
+            {"name": r["name"], "ph": "X", "ts": r["ts"], "dur": r.get("dur", 0), "pid": os.getpid(),
+             "tid": 0, "cat": "mstx"}
             for r in prof.ranges.values()
         ]
         (out / "trace_view.json").write_text(json.dumps(events))
@@ -312,10 +301,7 @@ def test_defaults_map_onto_torch_npu(fake, staging_root):
     }  # aic_metrics not passed: torch_npu's default
     assert prof["activities"] == [FakeProfilerActivity.CPU, FakeProfilerActivity.NPU]
     assert (prof["record_shapes"], prof["profile_memory"], prof["with_stack"], prof["with_modules"]) == (
-        False,
-        False,
-        False,
-        False,
+        False, False, False, False,
     )
     assert prof["experimental_config"].mstx is True
     assert isinstance(prof["on_trace_ready"], FakeTraceHandler)
@@ -362,10 +348,7 @@ def test_top_level_flags_also_switch_npu_extras_on(fake, staging_root):
     options = ProfileOptions(tool="npu", record_shapes=True, with_stack=True, with_memory=True)
     _, prof, _ = started(fake, options)
     assert (prof["record_shapes"], prof["profile_memory"], prof["with_stack"], prof["with_modules"]) == (
-        True,
-        True,
-        True,
-        False,
+        True, True, True, False,
     )
 
 
@@ -451,7 +434,7 @@ def test_session_cycle_exports_under_the_replica_dir(fake, staging_root, store, 
     assert ascend_dir.name.endswith("_ascend_pt")
     prefix = f"rollout/{RID}/{ascend_dir.name}/"
     assert all(f.startswith(prefix) for f in final.files)
-    assert {f[len(prefix) :] for f in final.files} == {
+    assert {f[len(prefix):] for f in final.files} == {
         "profiler_info.json",
         "FRAMEWORK/torch.op_range",
         "PROF_000001_fake/device_0/data/task_time.data.0.slice_0",

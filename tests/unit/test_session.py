@@ -436,6 +436,7 @@ def test_failed_export_lists_no_missing_files(store, exporter, model, spec):
     assert missing == []
 
 
+
 def test_export_frees_the_recorded_events_without_waiting_for_garbage_collection(tmp_path, model):
     """torch's `profile` is in a reference cycle (it holds bound methods of itself); a large
     process rarely runs the full collection that frees cycles, so dead recordings piled up in

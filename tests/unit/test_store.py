@@ -70,7 +70,9 @@ def test_step_below_one_rejected(store: TraceStore):
         store.step_dir(0)
 
 
-@pytest.mark.parametrize("rid", ["a/b", "../x", "..", ".", "", "x" * 65, "/etc", "a\\b", "r 0", "..%2f"])
+@pytest.mark.parametrize(
+    "rid", ["a/b", "../x", "..", ".", "", "x" * 65, "/etc", "a\\b", "r 0", "..%2f"]
+)
 def test_unsafe_replica_ids_rejected(store: TraceStore, rid: str):
     with pytest.raises(ValueError, match="replica_id"):
         store.rollout_dir(1, rid)

@@ -306,7 +306,7 @@ def parse_sse_line(line: str) -> Any:
     parsed JSON, `_DONE` for `data: [DONE]`, None for a line that carries no data."""
     if not line.startswith("data:"):
         return None
-    data = line[len("data:") :].strip()
+    data = line[len("data:"):].strip()
     if data == "[DONE]":
         return _DONE
     try:

@@ -74,12 +74,9 @@ class SglangServer:
         self.url = f"http://127.0.0.1:{port}"
         self.argv = [
             *command,
-            "--model-path",
-            str(model_dir),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
+            "--model-path", str(model_dir),
+            "--host", "127.0.0.1",
+            "--port", str(port),
             *server_args,
         ]
         self.log_path = log_path
