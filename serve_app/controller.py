@@ -85,9 +85,9 @@ class RolloutController:
         # background: replicas that are starting wait for this constructor to answer them.
         self.records.background(self._calls.run("recover", self.profile.recover))
         self._listener: ControlListener | None = None
-        if args.control_listener is not None:
+        if (listener := args.control_listener) is not None:
             http = await asyncio.to_thread(serve_http_options)
-            self._listener = ControlListener(self, args, None if http is None else http.request_timeout_s)
+            self._listener = ControlListener(self, args, listener, None if http is None else http.request_timeout_s)
 
     # -- /profile/* -----------------------------------------------------------------------------
     async def start_profile(self, req: StartProfileRequest) -> StartProfileResponse:

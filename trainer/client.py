@@ -137,8 +137,8 @@ class RolloutClient:
         retry: bool,
         wait_s: float | None = None,
     ) -> R:
-        control = self._control_http is not None and path.startswith(_CONTROL_PREFIXES)
-        http = self._control_http if control and self._control_http is not None else self._http
+        control_http = self._control_http
+        http = control_http if control_http is not None and path.startswith(_CONTROL_PREFIXES) else self._http
         # An OpenAI body carries only the fields the caller set: a default sent explicitly would
         # read as "set" to the ingress, which refuses fields the engine cannot honour.
         sampling = isinstance(body, SamplingFields)

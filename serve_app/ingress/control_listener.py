@@ -21,7 +21,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
-from serve_app.config import AppArgs
+from serve_app.config import AppArgs, ControlListenerOptions
 from serve_app.ingress import settings
 from serve_app.ingress.builder import create_fastapi_app
 from serve_app.ingress.ops_routes import OpsRoutesMixin
@@ -89,14 +89,14 @@ class _Server(uvicorn.Server):
 
 
 class ControlListener:
-    """The control routes on `args.control_listener`, served on this event loop until `close`."""
+    """The control routes on `options` (the app's control_listener), served on this event loop
+    until `close`."""
 
-    def __init__(self, controller: object, args: AppArgs, request_timeout_s: float | None):
+    def __init__(
+        self, controller: object, args: AppArgs, options: ControlListenerOptions, request_timeout_s: float | None
+    ):
         """`request_timeout_s`: the operator's bound on any request (Serve's
         http_options.request_timeout_s), held here as on Serve's port."""
-        options = args.control_listener
-        if options is None:
-            raise ValueError("the app's args set no control_listener")
         # This process serves no other routes: the guards read these settings.
         settings.configure_for(args, options.host, request_timeout_s)
         self._socket = bind(options.host, options.port)

@@ -56,7 +56,9 @@ def test_the_listener_serves_the_control_routes_with_the_ingress_guards(tmp_path
     fake = FakeController()
 
     async def scenario() -> dict[str, tuple[int, str]]:
-        listener = ControlListener(fake, _args(tmp_path, port), request_timeout_s=None)
+        args = _args(tmp_path, port)
+        assert args.control_listener is not None
+        listener = ControlListener(fake, args, args.control_listener, request_timeout_s=None)
         answers: dict[str, tuple[int, str]] = {}
         try:
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as c:
