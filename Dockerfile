@@ -1,6 +1,6 @@
 # GPU deployment image: the rollout app on vLLM, served by Ray Serve.
 #   docker build -t rollout-profiler .
-#   docker run --gpus all --shm-size 8g -p 8000:8000 \
+#   docker run --gpus all --shm-size 8g -p 8000:8000 -p 8002:8002 \
 #     -e ROLLOUT_PROFILER_CONTROL_TOKEN="$(openssl rand -hex 24)" \
 #     -v /path/to/checkpoint:/models/policy:ro -v /path/to/data:/data rollout-profiler
 # The app listens on 0.0.0.0 inside the container, so it refuses to start without a control
@@ -18,7 +18,7 @@ COPY config ./config
 RUN python3 -m pip install --no-cache-dir . && mkdir -p /data/traces /data/weights
 
 ENV HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
-EXPOSE 8000
+EXPOSE 8000 8002
 # Replicas build their engines for minutes before /health answers.
 HEALTHCHECK --interval=30s --timeout=10s --start-period=900s --retries=3 \
   CMD python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=8)" || exit 1

@@ -4,7 +4,8 @@ the app against vLLM's own OpenAI server, side by side in one run.
 * the app: `--engine transformers` serves config/serve.yaml (2 replicas of the embedded engine),
   `--engine vllm` config/serve.vllm.yaml with 1 replica (one vLLM engine, to compare with one
   vLLM server), profiler idle between windows, on a private local Ray bound to 127.0.0.1
-  (`trainer/local_app.py`);
+  (`trainer/local_app.py`); the load goes to the replicas' own listener (`replica_listener`,
+  docs/operations.md#replica-listener), or with `--generation-via port` to Serve's HTTP port;
 * vLLM's server (`--against vllm`, the default on engine vllm): `python -m
   vllm.entrypoints.openai.api_server` on the same tiny model with the app's `dtype`,
   `max_model_len`, `enforce_eager` and `OMP_NUM_THREADS` (`rollout_throughput.py`'s helpers), with
@@ -55,7 +56,8 @@ before anything starts, and inherited.
 
     python benchmarks/control_under_load.py [--engine transformers|vllm] [--clients 8,256,1024,4096]
         [--seconds 30] [--rounds 3] [--sync-every-s 2] [--against vllm|none] [--n 1]
-        [--max-tokens 32] [--drain-s 300] [--json PATH] [--quick]
+        [--max-tokens 32] [--drain-s 300] [--json PATH] [--control-via listener|port]
+        [--generation-via listener|port] [--quick]
 """
 
 from __future__ import annotations
@@ -503,13 +505,20 @@ class AppSide(Side):
     calls = APP_CALLS
 
     def __init__(
-        self, url: str, body: dict[str, Any], syncs: int, publisher: WeightsPublisher, control_url: str | None
+        self,
+        url: str,
+        body: dict[str, Any],
+        syncs: int,
+        publisher: WeightsPublisher,
+        control_url: str | None,
+        serve_url: str,
     ):
-        """`control_url`: the app's control listener (None: control calls go to Serve's port)."""
-        super().__init__(url, body, control_url)
-        self.client = RolloutClient(url, control_url=control_url, timeout_s=CONTROL_TIMEOUT_S)
+        """`url`: where the load goes (Serve's port or the replica listener); `control_url`: the
+        app's control listener (None: control calls go to Serve's port, `serve_url`)."""
+        super().__init__(url, body, control_url or serve_url)
+        self.client = RolloutClient(serve_url, control_url=control_url, timeout_s=CONTROL_TIMEOUT_S)
         self._serve_port = (
-            httpx.AsyncClient(base_url=url, timeout=CONTROL_TIMEOUT_S, trust_env=False) if control_url else None
+            httpx.AsyncClient(base_url=serve_url, timeout=CONTROL_TIMEOUT_S, trust_env=False) if control_url else None
         )
         self.sync = ProfiledWeightSync(StepSchedule(profiled_steps(syncs)), self.client, save_path=None)
         self._publisher = publisher
@@ -677,6 +686,8 @@ class Report(BaseModel):
     against: str
     control_via: str
     """listener: the trainer's control calls went to the app's control listener; port: to Serve's port."""
+    generation_via: str = "port"
+    """listener: the load went to the replicas' own listener; port: to Serve's port."""
     clients: list[int]
     seconds: float
     rounds: int
@@ -1055,6 +1066,8 @@ def main(
     control_via: str = typer.Option("listener", help="listener: the trainer's control calls and /health go to the "
                                     "app's control listener (/health sampled on Serve's port too); port: to Serve's "
                                     "HTTP port."),
+    generation_via: str = typer.Option("listener", help="listener: the load goes to the replicas' own listener "
+                                       "(replica_listener); port: to Serve's HTTP port."),
     quick: bool = typer.Option(False, help="A smoke run: 64 clients (unless --clients says otherwise), 1 round of "
                                "8 s, a sync every second."),
 ) -> None:  # fmt: skip
@@ -1065,6 +1078,8 @@ def main(
         raise typer.BadParameter(f"--against {against!r}: give vllm or none")
     if control_via not in ("listener", "port"):
         raise typer.BadParameter(f"--control-via {control_via!r}: give listener or port")
+    if generation_via not in ("listener", "port"):
+        raise typer.BadParameter(f"--generation-via {generation_via!r}: give listener or port")
     if quick:
         seconds, rounds, sync_every_s = 8.0, 1, 1.0
         clients = "64" if clients == "8,256,1024,4096" else clients
@@ -1086,6 +1101,9 @@ def main(
     args.pop("control_listener", None)  # a config's port: this run's is free, or there is none
     if control_via == "listener":
         args["control_listener"] = {"port": free_port()}
+    args.pop("replica_listener", None)
+    if generation_via == "listener":
+        args["replica_listener"] = {"port": free_port()}
     threads = replica_omp_threads(args)
     if engine == "vllm":
         args["replica_env"] = {**cfg_args.get("replica_env", {}), "OMP_NUM_THREADS": threads}
@@ -1094,7 +1112,8 @@ def main(
     body = {"model": parsed.model_name, "max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True, "n": n}
     name = spec.get("name", "rollout")
     report = Report(
-        engine=engine, config=config, against=against, control_via=control_via, clients=ns, seconds=seconds,
+        engine=engine, config=config, against=against, control_via=control_via, generation_via=generation_via,
+        clients=ns, seconds=seconds,
         rounds=rounds, sync_every_s=sync_every_s, sync_spacing_s=plan.spacing_s, n=n, max_tokens=max_tokens,
         omp_threads=threads, source=_source(),
         machine={"cpus": os.cpu_count(), "loadavg_at_start": os.getloadavg(), "open_files": fds,
@@ -1104,7 +1123,7 @@ def main(
     total_syncs = idle_ticks + plan.ticks * rounds * len(ns)
     console.print(
         f"engine {engine} ({config}, {args.get('num_replicas')} replicas), against {against}, control via "
-        f"{control_via}, N={ns}, "
+        f"{control_via}, generation via {generation_via}, N={ns}, "
         f"{rounds} rounds of {seconds:.0f} s, a sync every {plan.spacing_s:.2f} s, OMP_NUM_THREADS={threads}, "
         f"open files {fds}; app code {report.source}"
     )
@@ -1120,6 +1139,8 @@ def main(
         app_url = run_app(port, name, args)
         listener = parsed.control_listener
         control_url = None if listener is None else http_url(listener.host, listener.port)
+        replicas = parsed.replica_listener
+        load_url = app_url if replicas is None else http_url(replicas.host, replicas.port)
         load = stack.enter_context(load_generator())
         if vproc is not None:
             _wait_ready(f"http://127.0.0.1:{ref_port}", vproc, work / "vllm-server.log")
@@ -1127,7 +1148,7 @@ def main(
 
         async def measure() -> None:
             publisher = WeightsPublisher(args["model_path"], work / "weights")
-            app = AppSide(app_url, body, total_syncs, publisher, control_url)
+            app = AppSide(load_url, body, total_syncs, publisher, control_url, app_url)
             sides: list[Side] = [app]
             if vproc is not None:
                 sides.append(VllmSide(f"http://127.0.0.1:{ref_port}", body))

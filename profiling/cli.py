@@ -226,22 +226,11 @@ def summarize(
 
 
 @app.command()
-def merge(
-    directory: Dir,
-    step: Steps = None,
-    as_json: AsJson = False,
-    auto: Annotated[
-        bool,
-        typer.Option("--auto", hidden=True, help="Background merge: settled steps only, if stale, quietly."),
-    ] = False,
-) -> None:
+def merge(directory: Dir, step: Steps = None, as_json: AsJson = False) -> None:
     """Merge each step's traces into step_<k>/merged.trace.json.gz: one Perfetto timeline of the
     trainer and every replica, clocks aligned. JSON: a list of merge records."""
     store = _store(directory)
     steps = _steps(store, step)
-    if auto:
-        _auto_merge(store, steps)
-        return
     records, failed = [], []
     with _byte_progress("merging", store, steps, as_json) as advance:
         for k in steps:
@@ -256,20 +245,6 @@ def merge(
                 _print_merge(store, k, record)
     if as_json:
         _print_json(records)
-    if failed:
-        _fail(EXIT_FAILED, "; ".join(failed))
-
-
-def _auto_merge(store: TraceStore, steps: list[int]) -> None:
-    os.nice(10)  # below the producers: a background merge must not slow a training or serving step
-    failed = []
-    for k in steps:
-        if load_manifest(store, k).status not in ("complete", "partial"):
-            continue  # still recording or exporting: the refresh that settles it merges again
-        try:
-            merge_step(store, k, only_if_stale=True)
-        except MergeError as e:
-            failed.append(str(e))
     if failed:
         _fail(EXIT_FAILED, "; ".join(failed))
 

@@ -28,12 +28,12 @@ MIN_TOKEN_CHARS = 16
 """A control token is at least this long."""
 
 
-class ControlListenerOptions(StrictModel):
-    """An HTTP listener of the control routes that generation never shares (docs/design.md#control-path)."""
+class ListenerOptions(StrictModel):
+    """An HTTP listener of the app beside Serve's HTTP port (docs/design.md#control-path)."""
 
     host: str = "127.0.0.1"
-    """The interface it listens on, on the controller's node: loopback by default; any other
-    needs a control token (control_token_env or control_token_file)."""
+    """The interface it listens on, on the node of each process that listens: loopback by
+    default; any other needs a control token (control_token_env or control_token_file)."""
     port: int = Field(ge=1, le=65535)
     """Its TCP port (the app's HTTP port is Serve's, http_options.port)."""
 
@@ -90,11 +90,17 @@ class AppArgs(StrictModel):
     control_token_file: str | None = None
     """A file, readable where the ingress runs, holding the control token (instead of
     control_token_env)."""
-    control_listener: ControlListenerOptions | None = None
+    control_listener: ListenerOptions | None = None
     """A listener of its own for the control routes (/profile/*, /weights/update, /health,
     /metrics), served by the app's controller beside Serve's HTTP port, so that no control call
     waits behind generation in Serve's proxy or the ingress. The control routes stay on Serve's
     port too. null: none."""
+    replica_listener: ListenerOptions | None = None
+    """The app's whole HTTP API served by every rollout replica on a port of its own, beside
+    Serve's HTTP port: generation runs in the replica's own process (no proxy, no ingress, no
+    handle call), control calls go to the controller as from the ingress. The replicas of a
+    node share the port (the kernel spreads connections over them); each node's replicas listen
+    on that node. For RL-scale generation load (docs/operations.md#replica-listener). null: none."""
     profiler: ProfileOptions = Field(default_factory=ProfileOptions)
     """The replicas' profiler settings; a /profile/start may override some of them."""
     start_limits: StartLimits = Field(default_factory=StartLimits, validate_default=True)
@@ -160,18 +166,21 @@ class AppArgs(StrictModel):
         return self
 
     @model_validator(mode="after")
-    def _control_listener_guarded(self) -> AppArgs:
-        listener = self.control_listener
-        if (
-            listener is not None
-            and not is_loopback(listener.host)
-            and self.control_token_env is None
-            and self.control_token_file is None
-        ):
+    def _listeners_guarded(self) -> AppArgs:
+        has_token = self.control_token_env is not None or self.control_token_file is not None
+        for key in ("control_listener", "replica_listener"):
+            listener: ListenerOptions | None = getattr(self, key)
+            if listener is not None and not has_token and not is_loopback(listener.host):
+                raise ValueError(
+                    f"{key}.host is {listener.host!r}, beyond loopback, and no control token is set: anyone who "
+                    "reaches the port could drive profiling and weight updates. Set control_token_env (or "
+                    "control_token_file), or listen on 127.0.0.1"
+                )
+        control, replica = self.control_listener, self.replica_listener
+        if control is not None and replica is not None and control.port == replica.port:
             raise ValueError(
-                f"control_listener.host is {listener.host!r}, beyond loopback, and no control token is set: "
-                "anyone who reaches the port could drive profiling and weight updates. Set control_token_env "
-                "(or control_token_file), or listen on 127.0.0.1"
+                f"control_listener.port and replica_listener.port are both {control.port}: the controller and a "
+                "replica on one node cannot share a port; give each its own"
             )
         return self
 

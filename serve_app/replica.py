@@ -33,6 +33,9 @@ from serve_app.desired_state import DesiredState, ObjectStoreWeights, PathWeight
 from serve_app.engines import create_engine
 from serve_app.engines.base import AdoptRefused, check_fits, room_left
 from serve_app.engines.generation import GenerateRequest
+from serve_app.ingress.http_options import serve_http_options
+from serve_app.ingress.listener import ListenerError
+from serve_app.ingress.replica_listener import ReplicaListener
 from serve_app.openai_api import ChatChunkChoice, ChatCompletionRequest, CompletionChunkChoice
 from serve_app.reconcile import Reconciler
 from serve_app.redact import app_redactor
@@ -79,9 +82,19 @@ class RolloutReplica:
         await self.engine.opened()
         self._gate = GenerationGate(args.request_limits)
         # By name: the controller's deployment binds this one, so it cannot be bound here.
-        self._controller = ControllerView(serve.get_deployment_handle("RolloutController", ctx.app_name))
+        controller = serve.get_deployment_handle("RolloutController", ctx.app_name)
+        self._controller = ControllerView(controller)
         self._reconciler = Reconciler(self.engine, self._controller)
         await self._join()
+        self._listener: ReplicaListener | None = None
+        if (listener := args.replica_listener) is not None:
+            http = await asyncio.to_thread(serve_http_options)
+            timeout_s = None if http is None else http.request_timeout_s
+            try:
+                self._listener = ReplicaListener(self, controller, args, listener, timeout_s)
+            except ListenerError:
+                await self.engine.shutdown()
+                raise
 
     async def _join(self) -> None:
         """Converge on the desired state as this replica starts: the served weights, the
@@ -375,6 +388,8 @@ class RolloutReplica:
             log.exception("could not converge on the app's desired state")
 
     async def __del__(self) -> None:
+        if (listener := getattr(self, "_listener", None)) is not None:  # requests under way finish first
+            await listener.close()
         await self.engine.shutdown()
 
 

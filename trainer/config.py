@@ -89,7 +89,11 @@ class TrainerSection(StrictModel):
 
 
 class RolloutSection(StrictModel):
-    url: str | None = Field(None, description="A running app; null starts one from serve_config.")
+    url: str | None = Field(
+        None,
+        description="A running app (its replica listener for RL-scale generation, e.g. http://127.0.0.1:8002, "
+        "or Serve's port); null starts one from serve_config.",
+    )
     serve_config: str = Field(
         "config/serve.yaml",
         description="Serve config whose first application is started when url is null; its args get "

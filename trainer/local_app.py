@@ -24,11 +24,17 @@ class LocalApp(BaseModel):
     """The app's control token, read as its ingress reads it (None: the app has none)."""
     control_url: str | None = None
     """The app's control listener (None: its args set none)."""
+    replica_url: str | None = None
+    """The replicas' listener, the whole HTTP API with generation in the replicas' own processes
+    (None: its args set none)."""
 
     @property
     def address(self) -> AppAddress:
-        """Where a trainer reaches this app."""
-        return AppAddress(url=self.base_url, control_url=self.control_url, control_token=self.control_token)
+        """Where a trainer reaches this app: generation at the replicas' listener if it has one,
+        else Serve's port."""
+        return AppAddress(
+            url=self.replica_url or self.base_url, control_url=self.control_url, control_token=self.control_token
+        )
 
 
 @contextlib.contextmanager
@@ -103,8 +109,9 @@ def local_rollout_app(serve_config: str | Path, overrides: dict[str, Any]) -> It
         raise ValueError(f"{serve_config} is not a Serve config with an application: {e}") from e
     config_args = spec.get("args", {})
     args = {**config_args, **overrides}
-    if isinstance(args.get("control_listener"), dict):  # private like the HTTP port: loopback, a free port
-        args["control_listener"] = {**args["control_listener"], "host": "127.0.0.1", "port": free_port()}
+    for key in ("control_listener", "replica_listener"):  # private like the HTTP port: loopback, a free port
+        if isinstance(args.get(key), dict):
+            args[key] = {**args[key], "host": "127.0.0.1", "port": free_port()}
     if "replica_env" in overrides:
         args["replica_env"] = {**config_args.get("replica_env", {}), **overrides["replica_env"]}
     parsed = parse_args(args)
@@ -113,12 +120,13 @@ def local_rollout_app(serve_config: str | Path, overrides: dict[str, Any]) -> It
     name = spec.get("name", "rollout")
     with local_cluster() as port:
         base_url = run_app(port, name, args)
-        listener = parsed.control_listener
+        control, replica = parsed.control_listener, parsed.replica_listener
         yield LocalApp(
             name=name,
             base_url=base_url,
             model_dir=model_dir,
             args=args,
             control_token=parsed.read_control_token(),
-            control_url=None if listener is None else http_url(listener.host, listener.port),
+            control_url=None if control is None else http_url(control.host, control.port),
+            replica_url=None if replica is None else http_url(replica.host, replica.port),
         )

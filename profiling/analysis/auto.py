@@ -1,10 +1,12 @@
 """Merges started by `TraceStore(merge_on_complete=True)` when a step settles.
 
-Each merge runs as a child process (`python -m profiling merge DIR --step k --auto`), waited on
-by one background thread per store: the merge never holds the caller's GIL, thread or lock, so it
+Each merge runs as a child process (`python -m profiling.analysis.background_merge DIR STEP`), waited on by
+one background thread per store: the merge never holds the caller's GIL, thread or lock, so it
 cannot slow a weight sync or a forward pass in the producer, and a crash in it cannot take the
-producer down. The child skips a step whose merge is already up to date, records failures in
-`merge.json` (and so in the manifest), and runs at lower CPU priority.
+producer down. The child skips a step that is not settled or whose merge is already up to date,
+records failures in `merge.json` (and so in the manifest), and runs at the lowest CPU priority.
+It imports only what a merge needs: the CLI's imports took twice the merge's own CPU for a
+200-step window of a vLLM replica (0.45 s against 0.2 s), on every step.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-MERGE_COMMAND = ("-m", "profiling", "merge")
+MERGE_COMMAND = ("-m", "profiling.analysis.background_merge")
 """How a background merge is run (tools that watch processes tell these short-lived ones apart)."""
 
 log = logging.getLogger(__name__)
@@ -49,7 +51,7 @@ class AutoMerger:
     def _run(self, step: int) -> None:
         with self._lock:
             self._queued.discard(step)  # a request arriving from now on merges again
-        cmd = [sys.executable, *MERGE_COMMAND, str(self.root), "--step", str(step), "--auto"]
+        cmd = [sys.executable, *MERGE_COMMAND, str(self.root), str(step)]
         env = {
             **os.environ,
             "PYTHONPATH": os.pathsep.join(filter(None, [str(_IMPORT_ROOT), os.environ.get("PYTHONPATH")])),
@@ -65,9 +67,16 @@ class AutoMerger:
                 check=False,
             )
         except OSError as e:
-            log.error("could not start the merge of step %s (%s); run: %s", step, e, " ".join(cmd[1:]))
+            log.error(
+                "could not start the merge of step %s (%s); run: python -m profiling merge %s --step %s",
+                step,
+                e,
+                self.root,
+                step,
+            )
             return
         if proc.returncode != 0:
             log.error(
                 "merge of step %s failed (exit %s): %s", step, proc.returncode, proc.stderr.strip()[-2000:]
             )
+

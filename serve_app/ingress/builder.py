@@ -136,6 +136,58 @@ class RequestDeadline:
             await _send_json(send, 408, body.model_dump_json().encode())
 
 
+class CancelOnDisconnect:
+    """Cancels a request's handler when its client goes away before the answer is sent, as
+    Serve's proxy does on Serve's port (uvicorn alone lets it run): a generation nobody waits for
+    stops, and its sequences are aborted in the engine. Used by the listeners, which have no
+    proxy in front (serve_app/ingress/listener.py)."""
+
+    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]]):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        # After the body, one watcher reads the connection (a second reader would race it) and
+        # hands the app what it read: only a disconnect can come then.
+        after_body: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
+        watcher: asyncio.Task[None] | None = None
+        answered = gone = False
+
+        async def watch() -> None:
+            nonlocal gone
+            message = await receive()
+            after_body.set_result(message)
+            if message["type"] == "http.disconnect" and not answered and not handler.done():
+                gone = True
+                handler.cancel()
+
+        async def watched_receive() -> Message:
+            nonlocal watcher
+            if watcher is not None:
+                return await asyncio.shield(after_body)
+            message = await receive()
+            if message["type"] == "http.request" and not message.get("more_body", False):
+                watcher = asyncio.create_task(watch())
+            return message
+
+        async def watched_send(message: Message) -> None:
+            nonlocal answered
+            answered = answered or (message["type"] == "http.response.body" and not message.get("more_body", False))
+            await send(message)
+
+        handler: asyncio.Task[None] = asyncio.ensure_future(self.app(scope, watched_receive, watched_send))
+        try:
+            await handler  # a cancellation of this request's task reaches the handler too
+        except asyncio.CancelledError:
+            if not gone:
+                raise
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+
+
 def _too_large_detail(limit: int) -> str:
     return f"request body over {limit} bytes (request_limits.max_body_bytes)"
 

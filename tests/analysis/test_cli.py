@@ -139,16 +139,6 @@ def test_failed_merge_exits_1_and_names_the_cause(saved):
     assert (saved.step_dir(1) / MERGED_TRACE).is_file()  # the other step still merged
 
 
-def test_auto_merge_only_merges_settled_stale_steps(store):
-    write_step(store, 1, procs(1), stopped=False)
-    write_step(store, 2, procs(2))
-    assert run("merge", str(store.root), "--auto").exit_code == EXIT_OK
-    assert not (store.step_dir(1) / MERGED_TRACE).exists() and (store.step_dir(2) / MERGED_TRACE).is_file()
-    before = (store.step_dir(2) / MERGED_TRACE).stat().st_mtime_ns
-    assert run("merge", str(store.root), "--step", "2", "--auto").exit_code == EXIT_OK
-    assert (store.step_dir(2) / MERGED_TRACE).stat().st_mtime_ns == before  # up to date: not redone
-
-
 def test_module_entry_point_runs():
     proc = subprocess.run(
         [sys.executable, "-m", "profiling", "--help"], capture_output=True, text=True, timeout=60

@@ -6,11 +6,15 @@ from __future__ import annotations
 import gzip
 import json
 import multiprocessing
+import subprocess
+import sys
 import time
 
 import pytest
 from support.traces import read_trace, trace_events
 
+from profiling.analysis.auto import MERGE_COMMAND
+from profiling.analysis.background_merge import merge_if_settled
 from profiling.analysis.merge import CONTROL_PID, MergeError, merge_step
 from profiling.analysis.sources import StepNotFound
 from profiling.store import MERGED_TRACE, TraceStore
@@ -304,6 +308,26 @@ def test_store_merges_in_the_background_when_a_step_settles(tmp_path):
     assert merged.is_file(), "the settled step was not merged in the background"
     assert producer.read_manifest(2).merge.status == "ok"
     assert not (producer.step_dir(1) / MERGED_TRACE).exists()
+
+
+def test_a_background_merge_merges_only_settled_stale_steps(store):
+    write_step(store, 1, interleaved({"r0": 0, "r1": 0, "trainer": 0}), stopped=False)
+    write_step(store, 2, interleaved({"r0": 0, "r1": 0, "trainer": 0}))
+    merge_if_settled(store.root, 1)
+    merge_if_settled(store.root, 2)
+    assert not (store.step_dir(1) / MERGED_TRACE).exists() and (store.step_dir(2) / MERGED_TRACE).is_file()
+    before = (store.step_dir(2) / MERGED_TRACE).stat().st_mtime_ns
+    merge_if_settled(store.root, 2)
+    assert (store.step_dir(2) / MERGED_TRACE).stat().st_mtime_ns == before  # up to date: not redone
+
+
+def test_a_background_merge_that_fails_exits_1_naming_the_cause(store):
+    write_step(store, 2, interleaved({"r0": 0, "r1": 0, "trainer": 0}))
+    (store.step_dir(2) / MERGED_TRACE).mkdir()  # the merged file cannot be written
+    proc = subprocess.run(
+        [sys.executable, *MERGE_COMMAND, str(store.root), "2"], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 1 and "IsADirectoryError" in proc.stderr, proc.stderr
 
 
 def test_auto_merge_off_by_default(store):

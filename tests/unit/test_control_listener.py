@@ -17,7 +17,8 @@ from serve_app.api import StartProfileRequest, StartProfileResponse
 from serve_app.app import parse_args
 from serve_app.errors import Conflict
 from serve_app.ingress import settings
-from serve_app.ingress.control_listener import ControlListener, ControlListenerError, bind
+from serve_app.ingress.control_listener import ControlListener
+from serve_app.ingress.listener import ListenerError, bind
 from serve_app.net import free_port
 
 TOKEN = "a-control-token-of-24-chars"
@@ -95,8 +96,8 @@ def test_a_port_in_use_is_refused_naming_the_key():
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
         port = taken.getsockname()[1]
-        with pytest.raises(ControlListenerError, match=rf"127\.0\.0\.1:{port} .*control_listener\.port"):
-            bind("127.0.0.1", port)
+        with pytest.raises(ListenerError, match=rf"127\.0\.0\.1:{port} .*control_listener\.port"):
+            bind("127.0.0.1", port, "control_listener")
 
 
 def test_a_listener_beyond_loopback_needs_a_token(tmp_path):

@@ -1,0 +1,114 @@
+"""Work on a process's memory done in a forked child, off the process's GIL.
+
+torch.profiler's export holds the GIL for its whole run (a vLLM worker's window of 200 engine
+steps: a third of a second and more), so a background export thread stalls the model's own
+thread in the same process: forward passes stop while a trace is written. A child forked from
+the process shares its memory, recorded events included, copy on write: it writes the trace at a
+lower CPU priority while the parent goes on, and the parent's thread only waits on a pipe."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import signal
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+CHILD_NICE = 10
+"""How much lower the child's CPU priority is: below the engine and the trainer, above the
+background merges (+19, profiling/analysis/background_merge.py), which nothing waits for: a
+step's export holds the next start back once `max_exporting_steps` are pending."""
+
+
+class ForkUnavailable(RuntimeError):
+    """This process cannot fork a child for the work (no fork on this platform, CUDA is
+    initialised here, or the kernel refused): do it in the process instead."""
+
+
+def can_fork() -> bool:
+    """Whether work may run in a forked child here. Not where CUDA is initialised: a child may
+    not touch the parent's CUDA context, and the work could."""
+    if not hasattr(os, "fork"):
+        return False
+    import torch
+
+    return not torch.cuda.is_initialized()
+
+
+def run_forked(work: Callable[[], dict[str, Any]], timeout_s: float) -> dict[str, Any]:
+    """`work()` in a child forked from this process, at lower CPU priority; its result (plain
+    JSON data) returned here. ForkUnavailable when no child can be forked (nothing ran);
+    RuntimeError with the child's error when `work` raised; TimeoutError, with the child
+    killed, when it did not finish within `timeout_s`."""
+    if not can_fork():
+        raise ForkUnavailable("fork is not available in this process")
+    read_end, write_end = os.pipe()
+    try:
+        with warnings.catch_warnings():
+            # Python 3.12+ warns at a fork of a threaded process: the child runs only `work`,
+            # which takes no lock another thread could hold, and exits without cleanup.
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+    except OSError as e:
+        os.close(read_end)
+        os.close(write_end)
+        raise ForkUnavailable(f"fork failed: {e.strerror}") from None
+    if pid == 0:  # the child: never returns
+        _child(work, read_end, write_end)
+    os.close(write_end)
+    try:
+        payload = _read_all(read_end, pid, timeout_s)
+    finally:
+        os.close(read_end)
+    os.waitpid(pid, 0)
+    answer: dict[str, Any] = json.loads(payload) if payload else {"error": "the child exited without an answer"}
+    if "error" in answer:
+        raise RuntimeError(answer["error"])
+    result: dict[str, Any] = answer["result"]
+    return result
+
+
+def _child(work: Callable[[], dict[str, Any]], read_end: int, write_end: int) -> None:
+    try:
+        os.close(read_end)
+        # Nothing of the parent's stays open here but the answer's pipe: a listening socket
+        # the parent closes must not live on in this child.
+        os.closerange(3, write_end)
+        os.closerange(write_end + 1, _max_fd())
+        os.nice(CHILD_NICE)
+        try:
+            data = json.dumps({"result": work()}).encode()
+        except BaseException as e:  # noqa: BLE001 - handed to the parent, which raises it
+            data = json.dumps({"error": repr(e)}).encode()
+        while data:
+            data = data[os.write(write_end, data) :]
+    finally:
+        os._exit(0)  # no atexit handlers, no flushing of the parent's buffers
+
+
+def _read_all(fd: int, pid: int, timeout_s: float) -> bytes:
+    chunks: list[bytes] = []
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        ready, _, _ = select.select([fd], [], [], max(0.0, left))
+        if not ready:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise TimeoutError(f"the forked child did not finish within {timeout_s:g}s and was killed")
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
+            return b"".join(chunks)
+        chunks.append(chunk)
+
+
+def _max_fd() -> int:
+    try:
+        return os.sysconf("SC_OPEN_MAX")
+    except (OSError, ValueError):
+        return 4096

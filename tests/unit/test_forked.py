@@ -1,0 +1,95 @@
+"""Work done in a forked child (profiling/backends/forked.py), and the torch backend's export
+through it: the answer comes back, the child runs at lower priority with none of the parent's
+descriptors, a failure or a hang in it is reported (a hang killed), and a recorded trace exported
+in a child is the same trace as one exported in the process."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import socket
+import time
+
+import pytest
+import torch
+from torch.profiler import record_function
+
+from profiling.backends import forked, torch_profiler
+from profiling.backends.forked import CHILD_NICE, ForkUnavailable, run_forked
+from profiling.backends.torch_profiler import TorchProfilerBackend
+from profiling.config import ProfileOptions
+from profiling.markers import format_forward_step
+
+
+def test_the_child_answers_at_lower_priority_without_the_parents_descriptors():
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen(1)
+
+        def work() -> dict:
+            return {"pid": os.getpid(), "nice": os.nice(0), "fds": [int(f) for f in os.listdir("/proc/self/fd")]}
+
+        answer = run_forked(work, timeout_s=30)
+        assert answer["pid"] != os.getpid()
+        assert answer["nice"] == os.nice(0) + CHILD_NICE
+        assert listening.fileno() not in answer["fds"], "a socket of the parent must not live on in the child"
+
+
+def test_a_failure_in_the_child_is_raised_here():
+    def work() -> dict:
+        raise ValueError("no room on the disk")
+
+    with pytest.raises(RuntimeError, match=r"ValueError\('no room on the disk'\)"):
+        run_forked(work, timeout_s=30)
+
+
+def test_a_child_that_hangs_is_killed_at_the_timeout():
+    def work() -> dict:
+        time.sleep(3600)
+        return {}
+
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="killed"):
+        run_forked(work, timeout_s=0.5)
+    assert time.monotonic() - t0 < 10
+
+
+def _recorded(steps: int):
+    backend = TorchProfilerBackend(ProfileOptions(tool="torch", activities=["cpu"]))
+    backend.start()
+    x = torch.ones(8, 8)
+    for i in range(steps):
+        with backend.mark(format_forward_step(i, 1, 0)), record_function("work"):
+            x = torch.tanh(x @ x)
+    return backend.stop()
+
+
+def _names(path) -> list[str]:
+    with gzip.open(path) as f:
+        return sorted(e["name"] for e in json.load(f)["traceEvents"] if e.get("ph") == "X")
+
+
+@pytest.mark.parametrize("in_child", [True, False])
+def test_an_export_in_a_child_writes_the_same_trace_as_one_here(tmp_path, monkeypatch, in_child):
+    if not in_child:
+        monkeypatch.setattr(forked, "can_fork", lambda: False)
+    trace = _recorded(5)
+    (path,) = trace.export(tmp_path)
+    names = _names(path)
+    assert [n for n in names if n.startswith("forward_step#")] == [format_forward_step(i, 1, 0) for i in range(5)]
+    assert names.count("work") == 5 and "aten::mm" in names
+    assert trace.trace_bytes and trace.trace_bytes > path.stat().st_size
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "no temporary file is left"
+
+
+def test_where_no_child_can_be_forked_the_export_runs_here(tmp_path, monkeypatch):
+    calls = []
+
+    def refuse(work, timeout_s):
+        calls.append(timeout_s)
+        raise ForkUnavailable("fork failed: Cannot allocate memory")
+
+    monkeypatch.setattr(torch_profiler, "run_forked", refuse)
+    (path,) = _recorded(2).export(tmp_path)
+    assert calls and path.exists()
