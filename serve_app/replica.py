@@ -1,4 +1,5 @@
-"""The rollout replica deployment: one engine, one profiling session, reached by handle only.
+"""The rollout replica deployment: one engine, one profiling session, reached by handle, and with
+`replica_listener` also over HTTP on a port of its own (serve_app/ingress/replica_listener.py).
 
 Generation is admitted through the replica's own gate (serve_app/admission.py); control calls
 (broadcast by the controller) never wait for it. Control methods return a ReplicaReport naming

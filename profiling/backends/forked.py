@@ -9,10 +9,12 @@ lower CPU priority while the parent goes on, and the parent's thread only waits 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import select
 import signal
+import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -22,6 +24,9 @@ CHILD_NICE = 10
 """How much lower the child's CPU priority is: below the engine and the trainer, above the
 background merges (+19, profiling/analysis/background_merge.py), which nothing waits for: a
 step's export holds the next start back once `max_exporting_steps` are pending."""
+
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 class ForkUnavailable(RuntimeError):
@@ -47,6 +52,7 @@ def run_forked(work: Callable[[], dict[str, Any]], timeout_s: float) -> dict[str
     if not can_fork():
         raise ForkUnavailable("fork is not available in this process")
     read_end, write_end = os.pipe()
+    parent = os.getpid()
     try:
         with warnings.catch_warnings():
             # Python 3.12+ warns at a fork of a threaded process: the child runs only `work`,
@@ -58,7 +64,7 @@ def run_forked(work: Callable[[], dict[str, Any]], timeout_s: float) -> dict[str
         os.close(write_end)
         raise ForkUnavailable(f"fork failed: {e.strerror}") from None
     if pid == 0:  # the child: never returns
-        _child(work, read_end, write_end)
+        _child(work, read_end, write_end, parent)
     os.close(write_end)
     try:
         payload = _read_all(read_end, pid, timeout_s)
@@ -72,8 +78,9 @@ def run_forked(work: Callable[[], dict[str, Any]], timeout_s: float) -> dict[str
     return result
 
 
-def _child(work: Callable[[], dict[str, Any]], read_end: int, write_end: int) -> None:
+def _child(work: Callable[[], dict[str, Any]], read_end: int, write_end: int, parent: int) -> None:
     try:
+        _die_with(parent)
         os.close(read_end)
         # Nothing of the parent's stays open here but the answer's pipe: a listening socket
         # the parent closes must not live on in this child.
@@ -88,6 +95,16 @@ def _child(work: Callable[[], dict[str, Any]], read_end: int, write_end: int) ->
             data = data[os.write(write_end, data) :]
     finally:
         os._exit(0)  # no atexit handlers, no flushing of the parent's buffers
+
+
+def _die_with(parent: int) -> None:
+    """Have the kernel kill this child when its parent dies (Linux), as a thread of the parent
+    would have died: no export outlives the process that recorded it."""
+    if sys.platform == "linux":
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # it died before the request took effect
+        os._exit(1)
 
 
 def _read_all(fd: int, pid: int, timeout_s: float) -> bytes:

@@ -5,11 +5,14 @@ in a child is the same trace as one exported in the process."""
 
 from __future__ import annotations
 
+import functools
 import gzip
 import json
+import multiprocessing
 import os
 import socket
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -53,6 +56,43 @@ def test_a_child_that_hangs_is_killed_at_the_timeout():
     with pytest.raises(TimeoutError, match="killed"):
         run_forked(work, timeout_s=0.5)
     assert time.monotonic() - t0 < 10
+
+
+def _sleep_noting_pid(path: str) -> dict:
+    Path(path).write_text(str(os.getpid()))
+    time.sleep(3600)
+    return {}
+
+
+def _parent_of_a_sleeping_child(path: str) -> None:
+    run_forked(functools.partial(_sleep_noting_pid, path), timeout_s=3600)
+
+
+def _gone(pid: int) -> bool:
+    """Whether `pid` has exited (a zombie nobody reaps counts as exited)."""
+    try:
+        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0] == "Z"
+    except (FileNotFoundError, IndexError):
+        return True
+
+
+def test_the_child_dies_with_its_parent(tmp_path):
+    """A replica killed mid-export takes its export's child with it, as it took an export thread."""
+    noted = tmp_path / "child.pid"
+    parent = multiprocessing.get_context("spawn").Process(target=_parent_of_a_sleeping_child, args=(str(noted),))
+    parent.start()
+    deadline = time.monotonic() + 60
+    while not noted.exists() or not noted.read_text():
+        assert time.monotonic() < deadline, "the child did not start"
+        time.sleep(0.05)
+    child = int(noted.read_text())
+    assert not _gone(child)
+    parent.kill()
+    parent.join(10)
+    deadline = time.monotonic() + 10
+    while not _gone(child):
+        assert time.monotonic() < deadline, f"the child {child} outlived its killed parent"
+        time.sleep(0.05)
 
 
 def _recorded(steps: int):
