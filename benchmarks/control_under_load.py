@@ -134,6 +134,12 @@ STALL_S = 60.0
 ERROR_BACKOFF_S = 0.5
 """A client's wait after an error without Retry-After: no hot loop against a failing server."""
 WARMUP_S = 5.0
+QUIET_CORES = 0.3
+"""A run starts once the machine is this quiet (busy cores over QUIET_SAMPLE_S): what the last
+run left running (trace exports, merges, queued requests) must not count in this one's figures."""
+QUIET_SAMPLE_S = 0.5
+QUIET_MAX_S = 60.0
+"""The longest a run waits for that; then it starts anyway (its `settle_s` says so)."""
 PERTURBATION = 1e-3
 """Scale of the noise added to every weight per version: new weights, the same model."""
 _SENTENCES = (
@@ -653,6 +659,8 @@ class RunRecord(BaseModel):
     cpu_window_s: float
     loadavg: tuple[float, float, float]
     """The machine's load average after the run."""
+    settle_s: float = 0.0
+    """How long the run waited, before it began, for the machine to be quiet (QUIET_CORES)."""
 
 
 class IdleRecord(BaseModel):
@@ -738,6 +746,7 @@ async def _run(
     `plan.seconds` (the ticks before it ran late) is not sent, and the run lasts until the last
     one sent has ended."""
     out = Samples()
+    settle_s = await _quiet()
     before, c0 = cpu.sample(), time.monotonic()
     await asyncio.to_thread(load.start, spec)
     t0 = time.monotonic()
@@ -769,7 +778,20 @@ async def _run(
         cpu_s={role: after[role] - before.get(role, 0.0) for role in after},
         cpu_window_s=c1 - c0,
         loadavg=os.getloadavg(),
+        settle_s=settle_s,
     )
+
+
+async def _quiet() -> float:
+    """Wait until the machine's busy cores fall below QUIET_CORES (at most QUIET_MAX_S); the
+    seconds waited."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < QUIET_MAX_S:
+        b0 = _machine_busy_s()
+        await asyncio.sleep(QUIET_SAMPLE_S)
+        if (_machine_busy_s() - b0) / QUIET_SAMPLE_S < QUIET_CORES:
+            break
+    return time.monotonic() - t0
 
 
 async def _idle(side: Side, ticks: int) -> IdleRecord:
@@ -830,7 +852,8 @@ def _run_line(r: RunRecord) -> str:
     errors = sum(map(len, r.control.errors.values()))
     return (
         f"{r.load.tokens_per_s:7.0f} tok/s {r.load.requests_per_s:6.1f} req/s, 200: {r.load.outcomes.get('200', 0)}, "
-        f"503+RA: {r.load.outcomes.get('503 + Retry-After', 0)}, drain {r.load.drained_s:.0f} s"
+        f"503+RA: {r.load.outcomes.get('503 + Retry-After', 0)}, drain {r.load.drained_s:.0f} s, "
+        f"quiet after {r.settle_s:.1f} s"
         + (f", control steps {r.ticks}/{r.ticks_planned}" if r.ticks_planned else "")
         + (f", [red]{lost}[/red]" if lost else "")
         + (f", [red]{errors} control calls failed[/red]" if errors else "")

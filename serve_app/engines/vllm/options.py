@@ -34,7 +34,7 @@ class VllmOptions(EngineOptions):
     """Share of the GPU's memory vLLM may take (weights + KV cache)."""
     engine_args: dict[str, Any] = Field(default_factory=dict)
     """More AsyncEngineArgs fields, e.g. tensor_parallel_size, as vLLM names them
-    (`worker_extension_cls` is the replica's own)."""
+    (`worker_extension_cls` is the replica's own; `disable_log_stats` is true unless set here)."""
 
     @classmethod
     def profiler_problems(cls, options: ProfileOptions, built: ProfileOptions) -> list[str]:
