@@ -7,7 +7,8 @@ both ends share one definition of every body.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from enum import StrEnum
+from typing import Any, Literal, Self
 
 from pydantic import BaseModel, Field, model_validator
 
@@ -99,8 +100,26 @@ UNKNOWN_REPLICA = "unknown"
 timeout)."""
 
 
+class Outcome(StrEnum):
+    """How one replica's control call ended. On the wire it is the report's `ok`, `conflict` and
+    `refused` flags, which clients already read; the flags can hold only one of these."""
+
+    OK = "ok"
+    FAILED = "failed"
+    CONFLICT = "conflict"
+    """The call contradicts the replica's state (another step recording): a 409 cause."""
+    REFUSED = "refused"
+    """The replica's engine or profiler cannot do what was asked: a 422 cause."""
+
+    def flags(self) -> dict[str, bool]:
+        """The report's fields that carry this outcome."""
+        return {"ok": self is Outcome.OK, "conflict": self is Outcome.CONFLICT, "refused": self is Outcome.REFUSED}
+
+
 class ReplicaReport(BaseModel):
-    """One replica's answer to a control call."""
+    """One replica's answer to a control call. It ended one of four ways: done (`ok`), failed
+    (`ok` false), a conflict (`conflict`, a 409 cause) or a refusal (`refused`, a 422 cause);
+    a report that claims two of them is invalid."""
 
     replica_id: str
     pid: int | None = None
@@ -136,6 +155,23 @@ class ReplicaReport(BaseModel):
     )
     transfer_s: float | None = Field(None, description="Seconds this replica took to receive a collective transfer.")
     error: str | None = None
+
+    @model_validator(mode="after")
+    def _one_outcome(self) -> Self:
+        if self.conflict and self.refused:
+            raise ValueError("a replica report is either a conflict or a refusal, not both")
+        if self.ok and (self.conflict or self.refused):
+            raise ValueError("a replica report that is a conflict or a refusal is not ok")
+        return self
+
+    @property
+    def outcome(self) -> Outcome:
+        """The one outcome the flags hold."""
+        if self.conflict:
+            return Outcome.CONFLICT
+        if self.refused:
+            return Outcome.REFUSED
+        return Outcome.OK if self.ok else Outcome.FAILED
 
 
 class PerReplica(BaseModel):

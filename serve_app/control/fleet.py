@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from ray.serve.exceptions import DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 
-from serve_app.api import UNKNOWN_REPLICA, ReplicaReport
+from serve_app.api import UNKNOWN_REPLICA, Outcome, ReplicaReport
 from serve_app.desired_state import DesiredState, DesiredStateRecord
 from serve_app.metrics import CONTROL_ERRORS
 
@@ -188,7 +188,7 @@ class Fleet:
         reported by name."""
         timeout_s = timeout_s or self._timeout_s
         reports = await broadcast(self.replicas, method, *args, timeout_s=timeout_s, expected=self._known)
-        self._known = {r.replica_id for r in reports if r.ok or r.conflict}
+        self._known = {r.replica_id for r in reports if r.outcome in (Outcome.OK, Outcome.CONFLICT)}
         if failed := sum(not r.ok for r in reports):
             CONTROL_ERRORS.labels(method).inc(failed)
         return reports

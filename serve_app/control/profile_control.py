@@ -12,6 +12,7 @@ import time
 from profiling.manifest import SessionRecord
 from profiling.session import SessionSpec
 from serve_app.api import (
+    Outcome,
     StartProfileRequest,
     StartProfileResponse,
     StatusResponse,
@@ -82,7 +83,7 @@ class ProfileControl:
             await self._fleet.publish(desired)
             self._arm_watchdog(spec)  # with the publish: whatever happens next, the step ends
             reports = await self._fleet.broadcast("start_profile", spec)
-            if conflicts := [r for r in reports if r.conflict]:
+            if conflicts := [r for r in reports if r.outcome is Outcome.CONFLICT]:
                 # Roll back: the fleet is not where this start needs it.
                 await self._fleet.broadcast("stop_profile", spec.step, False)
                 self._disarm_watchdog()
@@ -99,7 +100,8 @@ class ProfileControl:
                 await self._records.failed_start(spec.step, record)
                 failures = "; ".join(f"{r.replica_id}: {r.error}" for r in reports)
                 detail = f"no replica started step {spec.step}: {failures}"
-                raise (Refused if any(r.refused for r in reports) else Unavailable)(detail, reports)
+                refused = any(r.outcome is Outcome.REFUSED for r in reports)
+                raise (Refused if refused else Unavailable)(detail, reports)
             self._records.started(spec.step, record, {r.replica_id for r in reports if r.ok})
             self._records.background(self._measure_clocks(spec.step))
             return StartProfileResponse(step=spec.step, steps=spec.steps, state="profiling", replicas=reports)

@@ -14,6 +14,7 @@ from serve_app.api import (
     CollectiveTransfer,
     EngineRpcReport,
     InClusterWeightsRequest,
+    Outcome,
     ReplicaReport,
     UpdateWeightsRequest,
     UpdateWeightsResponse,
@@ -146,7 +147,7 @@ class WeightControl:
                     f"version {version} is served already, from other weights; publish them as a new version"
                 )
             reports = await self._fleet.broadcast("adopt_weights", version, resume)
-            if refused := [r for r in reports if r.refused]:
+            if refused := [r for r in reports if r.outcome is Outcome.REFUSED]:
                 raise Refused(f"source external: {refused[0].error}", reports)
             if failed := [r for r in reports if not r.ok]:
                 named = "; ".join(f"{r.replica_id}: {r.error}" for r in failed)

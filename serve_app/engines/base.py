@@ -62,6 +62,10 @@ class AdoptRefused(ValueError):
     """Source external on an engine that keeps no weight version of its own (nothing to compare)."""
 
 
+class AdoptConflict(ValueError):
+    """Source external naming a version other than the one the engine reports."""
+
+
 class _Adopted:
     """What `_switch` gets for a source-external update: the weights are in the engine already."""
 
@@ -432,7 +436,7 @@ class RolloutEngine(HfTokenizerMixin, ABC, Generic[W]):
                 f"trainer moved version {version} into it: publish through source path or collective"
             )
         if reported != version:
-            raise ValueError(
+            raise AdoptConflict(
                 f"the engine reports weight version {reported}, not {version}: finish the transfer of version "
                 f"{version} into the engine (and set its weight version) before publishing it"
             )

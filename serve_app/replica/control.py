@@ -1,0 +1,221 @@
+"""The replica's control plane: the calls the controller broadcasts (profile, weights, status),
+each answered with a ReplicaReport that names the replica (broadcast results carry no replica
+id). Every failure takes one path into the report: the app's own errors keep their text and say
+how the call ended; any other error is named by the call and its first line."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import ray
+
+from profiling.session import SessionConflict, SessionSpec
+from serve_app.admission import GenerationGate
+from serve_app.api import EngineRpcReport, Outcome, PerReplica, ReplicaReport
+from serve_app.config import AppArgs
+from serve_app.engines.base import AdoptConflict, AdoptRefused, RolloutEngine
+from serve_app.weights.collective_schema import CollectiveTransfer
+from serve_app.weights.object_store import keep_only, materialize_weights
+from serve_app.weights.safetensors_file import WeightsError
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+R = TypeVar("R", bound=ReplicaReport)
+
+OWN_ERRORS: tuple[tuple[type[Exception], Outcome], ...] = (
+    (SessionConflict, Outcome.CONFLICT),
+    (AdoptConflict, Outcome.CONFLICT),
+    (AdoptRefused, Outcome.REFUSED),
+    (WeightsError, Outcome.FAILED),
+)
+"""Errors whose text is written for the user, with the outcome each one means."""
+
+
+class ControlPlane:
+    """Control methods of the replica deployment, reached by the controller's broadcast."""
+
+    engine: RolloutEngine
+    replica_id: str
+    _args: AppArgs
+    _gate: GenerationGate
+    _node_id: str
+    _node_dir: Path
+    _redact: Callable[[str], str]
+
+    def _report(self, kind: type[R] = ReplicaReport, **fields: Any) -> R:  # type: ignore[assignment]
+        """This replica's state as a report of `kind`, with `fields` over it."""
+        st = self.engine.status()
+        base: dict[str, Any] = {
+            "replica_id": self.replica_id,
+            "pid": os.getpid(),
+            "node_id": self._node_id,
+            "state": st.state,
+            "active_step": st.active_step,
+            "weight_version": st.weight_version,
+            "paused": st.paused,
+            "forward_steps": st.forward_steps,
+            "forward_steps_by_version": st.forward_steps_by_version,
+            "requests_in_flight": st.requests_in_flight,
+            "requests_waiting": self._gate.waiting,
+            "transfer_ranks": self.engine.transfer_ranks,
+        }
+        base.update(fields)
+        if error := base.get("error"):  # the full text goes to the log, the answer names no server path
+            log.info("replica %s: %s", self.replica_id, error)
+            base["error"] = self._redact(str(error))
+        return kind(**base)
+
+    def _failed(self, error: str, outcome: Outcome = Outcome.FAILED, kind: type[R] = ReplicaReport) -> R:  # type: ignore[assignment]
+        """The report of a call that failed; `error` says why, for the user."""
+        return self._report(kind, error=error, **outcome.flags())
+
+    def _raised(self, e: Exception, what: str, otherwise: Outcome, kind: type[R]) -> R:
+        """The report of a call that raised `e`: the app's own errors keep their text and say how
+        the call ended; any other is `otherwise`, named by `what` and its first line."""
+        outcome, error = next(
+            ((o, str(e)) for t, o in OWN_ERRORS if isinstance(e, t)), (otherwise, f"{what}: {first_line(e)}")
+        )
+        return self._failed(error, outcome, kind)
+
+    async def _control(
+        self,
+        what: str,
+        call: Awaitable[T],
+        fields: Callable[[T], dict[str, Any]] = lambda _: {},
+        otherwise: Outcome = Outcome.FAILED,
+        kind: type[R] = ReplicaReport,  # type: ignore[assignment]
+    ) -> R:
+        """Await `call`: the report with `fields` of its result, or of how it failed."""
+        try:
+            result = await call
+        except Exception as e:  # noqa: BLE001 - every failure is reported per replica
+            return self._raised(e, what, otherwise, kind)
+        return self._report(kind, **fields(result))
+
+    async def start_profile(self, spec: SessionSpec) -> ReplicaReport:
+        """Start recording `spec`'s step; an engine or profiler that cannot is a refusal."""
+        return await self._control(
+            "start failed",
+            self.engine.start_profile(spec),
+            lambda started: {"state": "profiling" if started else self.engine.status().state},
+            otherwise=Outcome.REFUSED,
+        )
+
+    async def stop_profile(self, step: int | None, pause: bool) -> ReplicaReport:
+        """Stop recording `step` (None: whichever is recording), holding admission if `pause`."""
+        t0 = time.perf_counter()
+        return await self._control(
+            "stop failed",
+            self.engine.stop_profile(step, pause),
+            lambda outcome: {
+                "files": outcome.files,
+                "forward_steps": outcome.forward_steps,
+                "stop_ack_s": time.perf_counter() - t0,
+            },
+        )
+
+    async def update_weights(self, version: int, path: str | None, resume: bool) -> ReplicaReport:
+        """Load `version` from `path`."""
+        return await self._control(
+            "weight update failed",
+            self.engine.update_weights(version, path, resume),
+            lambda load_s: {"load_s": load_s},
+        )
+
+    async def update_weights_in_cluster(self, version: int, refs: list[ray.ObjectRef], resume: bool) -> ReplicaReport:
+        """Fetch the weights from the object store onto this node, then load them like a path."""
+        t0 = time.perf_counter()
+        try:
+            path = await materialize_weights(refs, self._node_dir, version)
+        except Exception as e:  # noqa: BLE001 - reported per replica
+            return self._raised(e, "could not fetch the weights from the object store", Outcome.FAILED, ReplicaReport)
+        transfer_s = time.perf_counter() - t0
+        report = await self.update_weights(version, str(path), resume)
+        if report.ok:
+            keep_only(path)
+        else:
+            path.unlink(missing_ok=True)
+        return report.model_copy(update={"transfer_s": transfer_s})
+
+    async def receive_weights(
+        self, version: int, transfer: CollectiveTransfer, first_ranks: dict[str, int], world_size: int
+    ) -> ReplicaReport:
+        """Join the sync's group at this replica's ranks in `first_ranks` and stage `version`'s
+        tensors (docs/design.md#weights-by-collective); the served weights are untouched."""
+        first = first_ranks.get(self.replica_id)
+        if first is None:
+            return self._failed(
+                f"not a member of the transfer of version {version}: this replica started after the "
+                "members were counted; the next sync counts it"
+            )
+        return await self._control(
+            f"did not receive version {version}",
+            self.engine.receive_weights(transfer, first, world_size, self._args.control_timeout_s),
+            lambda transfer_s: {"transfer_s": transfer_s},
+        )
+
+    async def load_staged(self, version: int, resume: bool) -> ReplicaReport:
+        """Load the staged transfer as `version` (every member received it), as a path loads."""
+        return await self._control(
+            "weight update failed", self.engine.load_staged(version, resume), lambda load_s: {"load_s": load_s}
+        )
+
+    async def drop_staged(self) -> ReplicaReport:
+        """Forget a staged transfer (another member did not receive it): the old version serves on."""
+        await self.engine.drop_staged()
+        return self._report()
+
+    async def adopt_weights(self, version: int, resume: bool) -> ReplicaReport:
+        """Record `version`, which the trainer moved into the engine itself (source external), if
+        the engine reports it; a refusal when the engine keeps no version, a conflict when it
+        reports another."""
+        return await self._control(f"could not adopt version {version}", self.engine.adopt_weights(version, resume))
+
+    async def weights_snapshot(self, version: int) -> list[ray.ObjectRef]:
+        """`[ref]` of the served weights (CPU tensors) in the object store, for a replica that
+        joins after a collective or external transfer. ValueError when this replica serves
+        another version."""
+        if self.engine.weight_version != version:
+            raise ValueError(f"this replica serves version {self.engine.weight_version}, not {version}")
+        snapshot = await self.engine.weights_snapshot()
+        return [ray.put(snapshot)]
+
+    async def engine_rpc(self, method: str, args: list[Any], kwargs: dict[str, Any]) -> EngineRpcReport:
+        """`method(*args, **kwargs)` of the engine's own API (reached by handle only, never HTTP);
+        a `PerReplica` argument is replaced by this replica's value."""
+
+        async def call() -> Any:
+            mine = [a.pick(self.replica_id) if isinstance(a, PerReplica) else a for a in args]
+            named = {k: v.pick(self.replica_id) if isinstance(v, PerReplica) else v for k, v in kwargs.items()}
+            return await self.engine.engine_rpc(method, *mine, **named)
+
+        return await self._control(
+            f"engine rpc {method} failed", call(), lambda result: {"result": result}, kind=EngineRpcReport
+        )
+
+    async def status(self) -> ReplicaReport:
+        """This replica's state."""
+        return self._report()
+
+    async def wall_clock(self) -> tuple[str, int]:
+        """This replica's id and `time.time_ns()`, for the controller's clock exchange."""
+        return self.replica_id, time.time_ns()
+
+    async def export_report(self, step: int) -> ReplicaReport:
+        """Answers once this replica's trace export for `step` has finished."""
+        entry = await self.engine.wait_exported(step, self._args.export_timeout_s)
+        if entry is None:
+            return self._failed(f"this replica recorded nothing for step {step}")
+        return self._report(ok=entry.status == "ok", files=entry.files, error=entry.error)
+
+
+def first_line(e: BaseException) -> str:
+    """`<type>: <first line>` of an error (gloo's and Ray's carry long tails)."""
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"
