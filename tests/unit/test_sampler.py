@@ -199,3 +199,45 @@ def test_prompt_logprobs_score_each_token_after_the_first():
     assert out[1].logprob == pytest.approx(float(expected[0, 2]))
     assert out[2].logprob == pytest.approx(float(expected[1, 6]))
     assert set(out[2].top) == set(expected[1].topk(2).indices.tolist())
+
+
+def _ops_recorded(batch: int) -> int:
+    """Operator events a profiler records while `batch` unseeded sequences asking for logprobs
+    draw one token each."""
+    seqs = [seq(temperature=1.0, logprobs=1) for _ in range(batch)]
+    logits = torch.randn(batch, VOCAB)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        sample_batch(logits, seqs)
+    return len(prof.events())
+
+
+def test_a_batch_draws_in_the_same_ops_whatever_its_size():
+    """A profiled forward step must not record a few events per sequence: the trace, its
+    finalize, export and merge grow with the events (docs/benchmarks.md)."""
+    assert _ops_recorded(64) == _ops_recorded(4)
+
+
+def test_unseeded_rows_drawn_together_follow_each_rows_spec():
+    rows = torch.tensor([FLAT] * 8 + [list(reversed(FLAT))] * 8)
+    out = sample_batch(rows, [seq(top_k=1) for _ in range(16)])
+    assert [o.token_id for o in out if isinstance(o, Sampled)] == [0] * 8 + [7] * 8
+
+
+def test_a_row_with_nothing_left_to_draw_fails_alone_among_rows_drawn_together():
+    masked = [float("-inf")] * VOCAB
+    out = sample_batch(torch.tensor([FLAT, masked, FLAT]), [seq(top_k=1), seq(), seq(top_k=1, seed=2)])
+    assert isinstance(out[1], ValueError) and "sampling failed" in str(out[1])
+    assert [o.token_id for o in (out[0], out[2]) if isinstance(o, Sampled)] == [0, 0]
+
+
+def test_logprobs_of_a_batch_are_each_rows_own():
+    logits = torch.randn(3, VOCAB)
+    out = sample_batch(logits, [seq(temperature=0, logprobs=3), seq(temperature=0), seq(temperature=0, logprobs=1)])
+    raw = torch.log_softmax(logits, dim=-1)
+    for i, k in ((0, 3), (2, 1)):
+        got = out[i]
+        assert isinstance(got, Sampled) and got.logprobs is not None
+        assert got.logprobs.logprob == pytest.approx(float(raw[i, got.token_id]))
+        values, ids = raw[i].topk(k)
+        assert got.logprobs.top == pytest.approx(dict(zip(ids.tolist(), values.tolist(), strict=True)))
+    assert isinstance(out[1], Sampled) and out[1].logprobs is None

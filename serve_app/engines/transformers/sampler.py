@@ -51,10 +51,12 @@ class SequenceSampler:
         self.output: list[int] = []
         self.generator = torch.Generator().manual_seed(spec.seed) if spec.seed is not None else None
         self.counts = torch.zeros(vocab_size, dtype=torch.float32)
-        """How often each token occurs in the output (frequency and presence penalties)."""
+        """How often each token occurs in the output (frequency and presence penalties); kept
+        only for a penalised sequence (every op per token and sequence is one more trace event)."""
         self.seen = torch.zeros(vocab_size, dtype=torch.bool)
-        """Tokens of the prompt or output (repetition penalty)."""
-        self.seen[torch.tensor(list(prompt_ids), dtype=torch.long)] = True
+        """Tokens of the prompt or output (repetition penalty); kept as `counts` is."""
+        if self.penalised:
+            self.seen[torch.tensor(list(prompt_ids), dtype=torch.long)] = True
         ends = list(spec.stop_token_ids) + ([] if spec.ignore_eos or eos_id is None else [eos_id])
         # Tokens that would end the sequence, masked until min_tokens tokens are out.
         self.end_ids = torch.tensor(sorted(set(ends)), dtype=torch.long)
@@ -69,8 +71,9 @@ class SequenceSampler:
     def append(self, token_id: int, decode: Decode) -> Finish | None:
         """Record the sampled `token_id`; how the sequence ends with it, if it does."""
         self.output.append(token_id)
-        self.counts[token_id] += 1
-        self.seen[token_id] = True
+        if self.penalised:
+            self.counts[token_id] += 1
+            self.seen[token_id] = True
         s = self.spec
         if len(self.output) >= s.min_tokens:
             if token_id == self.eos_id and not s.ignore_eos:
@@ -123,25 +126,65 @@ def prompt_logprobs(logits: torch.Tensor, prompt_ids: Sequence[int], k: int) -> 
 
 def sample_batch(logits: torch.Tensor, seqs: Sequence[SequenceSampler]) -> list[Sampled | ValueError]:
     """The next token of each sequence (row i of `logits` [batch, vocab] is `seqs[i]`'s), or the
-    ValueError that sampling that one sequence ran into (the others are unaffected)."""
+    ValueError that sampling that one sequence ran into (the others are unaffected). The batch
+    takes a fixed number of tensor ops whatever its size: only a seeded sequence draws alone (its
+    own generator), so a profiled forward step records a few events, not a few per sequence."""
     logits = logits.float()
-    raw = torch.log_softmax(logits, dim=-1) if any(s.spec.logprobs is not None for s in seqs) else None
     processed = _processed(logits, seqs)
-    out: list[Sampled | ValueError] = []
     greedy = processed.argmax(dim=-1).tolist()
     probs = torch.softmax(processed, dim=-1)
+    # A row with no finite distribution (NaN, every token masked) fails alone, never the draw of all.
+    broken = torch.isnan(probs).any(dim=-1).tolist()
+    drawn = _drawn_together(
+        probs, [i for i, s in enumerate(seqs) if _draws(s) and s.generator is None and not broken[i]]
+    )
+    tokens: list[int | ValueError] = []
     for i, s in enumerate(seqs):
-        if s.spec.temperature == 0:
-            token = int(greedy[i])
+        if not _draws(s):
+            tokens.append(int(greedy[i]))
+        elif broken[i]:
+            tokens.append(ValueError("sampling failed: no finite probabilities left (NaN, or every token masked)"))
+        elif i in drawn:
+            tokens.append(drawn[i])
         else:
-            try:
-                token = int(torch.multinomial(probs[i], 1, generator=s.generator))
-            except RuntimeError as e:  # this sequence's distribution is broken (NaN, all masked)
-                out.append(ValueError(f"sampling failed: {e}"))
-                continue
-        k = s.spec.logprobs
-        out.append(Sampled(token, None if k is None or raw is None else top_logprobs(raw[i], token, k)))
-    return out
+            tokens.append(int(torch.multinomial(probs[i], 1, generator=s.generator)))
+    reported = _logprobs(logits, seqs, tokens)
+    return [t if isinstance(t, ValueError) else Sampled(t, reported.get(i)) for i, t in enumerate(tokens)]
+
+
+def _draws(s: SequenceSampler) -> bool:
+    """Whether the sequence samples (else it is greedy: the argmax)."""
+    return s.spec.temperature != 0
+
+
+def _drawn_together(probs: torch.Tensor, rows: list[int]) -> dict[int, int]:
+    """One multinomial draw for all of `rows` (sequences on the global generator)."""
+    if not rows:
+        return {}
+    picked = probs if len(rows) == probs.shape[0] else probs[torch.tensor(rows, dtype=torch.long)]
+    return dict(zip(rows, torch.multinomial(picked, 1).squeeze(1).tolist(), strict=True))
+
+
+def _logprobs(
+    logits: torch.Tensor, seqs: Sequence[SequenceSampler], tokens: list[int | ValueError]
+) -> dict[int, TokenLogprobs]:
+    """For each row whose spec asks for logprobs and that sampled, its token's logprob and the
+    `k` most likely tokens', from the raw model distribution, for all such rows at once."""
+    rows = [i for i, s in enumerate(seqs) if s.spec.logprobs is not None and not isinstance(tokens[i], ValueError)]
+    if not rows:
+        return {}
+    raw = torch.log_softmax(logits[torch.tensor(rows, dtype=torch.long)], dim=-1)
+    chosen = torch.tensor([tokens[i] for i in rows], dtype=torch.long).unsqueeze(1)
+    own = raw.gather(1, chosen).squeeze(1).tolist()
+    ks = [min(seqs[i].spec.logprobs or 0, raw.shape[-1]) for i in rows]
+    values, ids = raw.topk(max(ks)) if max(ks) > 0 else (torch.empty(len(rows), 0), torch.empty(len(rows), 0))
+    values_l, ids_l = values.tolist(), ids.tolist()
+    return {
+        i: TokenLogprobs(
+            logprob=own[j], top={int(t): float(v) for t, v in zip(ids_l[j][: ks[j]], values_l[j][: ks[j]], strict=True)}
+        )
+        for j, i in enumerate(rows)
+    }
 
 
 def _processed(logits: torch.Tensor, seqs: Sequence[SequenceSampler]) -> torch.Tensor:
