@@ -30,11 +30,11 @@ class LocalApp(BaseModel):
 
     @property
     def address(self) -> AppAddress:
-        """Where a trainer reaches this app: generation at the replicas' listener if it has one,
-        else Serve's port."""
-        return AppAddress(
-            url=self.replica_url or self.base_url, control_url=self.control_url, control_token=self.control_token
-        )
+        """Where a trainer reaches this app: generation at Serve's port, control at the control
+        listener if it has one. Not the replica listener: it balances by connection, and a
+        trainer's few keep-alive connections can leave a replica without a request for a whole
+        profiled step; Serve's router balances each request."""
+        return AppAddress(url=self.base_url, control_url=self.control_url, control_token=self.control_token)
 
 
 @contextlib.contextmanager
