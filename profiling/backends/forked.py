@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
+import logging
 import os
 import select
 import signal
@@ -19,6 +20,8 @@ import time
 import warnings
 from collections.abc import Callable
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 CHILD_NICE = 10
 """How much lower the child's CPU priority is: below the engine and the trainer, above the
@@ -30,8 +33,8 @@ _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 class ForkUnavailable(RuntimeError):
-    """This process cannot fork a child for the work (no fork on this platform, CUDA is
-    initialised here, or the kernel refused): do it in the process instead."""
+    """No child could do the work (no fork on this platform, CUDA is initialised here, the
+    kernel refused, or the child died without an answer): do it in the process instead."""
 
 
 def can_fork() -> bool:
@@ -46,7 +49,9 @@ def can_fork() -> bool:
 
 def run_forked(work: Callable[[], dict[str, Any]], timeout_s: float) -> dict[str, Any]:
     """`work()` in a child forked from this process, at lower CPU priority; its result (plain
-    JSON data) returned here. ForkUnavailable when no child can be forked (nothing ran);
+    JSON data) returned here. ForkUnavailable when no child can be forked, or when the child
+    died without an answer (a crash: a child forked from a threaded process inherits the
+    locks other threads held, and rarely, it dies on one); `work` must be safe to do again here.
     RuntimeError with the child's error when `work` raised; TimeoutError, with the child
     killed, when it did not finish within `timeout_s`."""
     if not can_fork():
@@ -70,8 +75,12 @@ def run_forked(work: Callable[[], dict[str, Any]], timeout_s: float) -> dict[str
         payload = _read_all(read_end, pid, timeout_s)
     finally:
         os.close(read_end)
-    os.waitpid(pid, 0)
-    answer: dict[str, Any] = json.loads(payload) if payload else {"error": "the child exited without an answer"}
+    _, status = os.waitpid(pid, 0)
+    if not payload:
+        why = f"the forked child died without an answer ({_how_it_ended(status)})"
+        log.warning("%s: the work is done in this process instead", why)
+        raise ForkUnavailable(why)
+    answer: dict[str, Any] = json.loads(payload)
     if "error" in answer:
         raise RuntimeError(answer["error"])
     result: dict[str, Any] = answer["result"]
@@ -122,6 +131,12 @@ def _read_all(fd: int, pid: int, timeout_s: float) -> bytes:
         if not chunk:
             return b"".join(chunks)
         chunks.append(chunk)
+
+
+def _how_it_ended(status: int) -> str:
+    if os.WIFSIGNALED(status):
+        return f"killed by {signal.Signals(os.WTERMSIG(status)).name}"
+    return f"exit status {os.waitstatus_to_exitcode(status)}"
 
 
 def _max_fd() -> int:

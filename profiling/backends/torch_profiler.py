@@ -90,7 +90,7 @@ class TorchRecordedTrace(RecordedTrace):
         try:
             try:
                 written = run_forked(lambda: _write(prof, out_dir, self._options), EXPORT_TIMEOUT_S)
-            except ForkUnavailable:
+            except ForkUnavailable:  # nothing lost: the recording is still here
                 written = _write(prof, out_dir, self._options)
         finally:
             # Written once: free the recorded events now. `profile` holds bound methods of
