@@ -24,9 +24,6 @@ class LocalApp(BaseModel):
     """The app's control token, read as its ingress reads it (None: the app has none)."""
     control_url: str | None = None
     """The app's control listener (None: its args set none)."""
-    replica_url: str | None = None
-    """The replicas' listener, the whole HTTP API with generation in the replicas' own processes
-    (None: its args set none)."""
 
     @property
     def address(self) -> AppAddress:
@@ -120,7 +117,7 @@ def local_rollout_app(serve_config: str | Path, overrides: dict[str, Any]) -> It
     name = spec.get("name", "rollout")
     with local_cluster() as port:
         base_url = run_app(port, name, args)
-        control, replica = parsed.control_listener, parsed.replica_listener
+        control = parsed.control_listener
         yield LocalApp(
             name=name,
             base_url=base_url,
@@ -128,5 +125,4 @@ def local_rollout_app(serve_config: str | Path, overrides: dict[str, Any]) -> It
             args=args,
             control_token=parsed.read_control_token(),
             control_url=None if control is None else http_url(control.host, control.port),
-            replica_url=None if replica is None else http_url(replica.host, replica.port),
         )

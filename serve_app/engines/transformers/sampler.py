@@ -105,13 +105,22 @@ class SequenceSampler:
         return None if found is None else found[1]
 
 
-def top_logprobs(logprobs: torch.Tensor, token_id: int, k: int) -> TokenLogprobs:
-    """`token_id`'s logprob and the `k` most likely tokens' from one row of log-probabilities."""
-    top: dict[int, float] = {}
-    if k > 0:
-        values, ids = logprobs.topk(min(k, logprobs.shape[-1]))
-        top = {int(i): float(v) for i, v in zip(ids.tolist(), values.tolist(), strict=True)}
-    return TokenLogprobs(logprob=float(logprobs[token_id]), top=top)
+def top_logprobs(logprobs: torch.Tensor, token_ids: Sequence[int], ks: Sequence[int]) -> list[TokenLogprobs]:
+    """Row i's `token_ids[i]` logprob and its `ks[i]` most likely tokens', from `logprobs`
+    [rows, vocab] of log-probabilities, for all rows in a fixed number of tensor ops."""
+    if not token_ids:
+        return []
+    chosen = torch.tensor(list(token_ids), dtype=torch.long).unsqueeze(1)
+    own = logprobs.gather(1, chosen).squeeze(1).tolist()
+    ks = [min(k, logprobs.shape[-1]) for k in ks]
+    values, ids = logprobs.topk(max(ks)) if max(ks) > 0 else (logprobs[:, :0], logprobs[:, :0])
+    values_l, ids_l = values.tolist(), ids.tolist()
+    return [
+        TokenLogprobs(
+            logprob=own[j], top={int(t): float(v) for t, v in zip(ids_l[j][:k], values_l[j][:k], strict=True)}
+        )
+        for j, k in enumerate(ks)
+    ]
 
 
 def prompt_logprobs(logits: torch.Tensor, prompt_ids: Sequence[int], k: int) -> list[TokenLogprobs | None]:
@@ -120,7 +129,7 @@ def prompt_logprobs(logits: torch.Tensor, prompt_ids: Sequence[int], k: int) -> 
     token has none."""
     logprobs = torch.log_softmax(logits[: len(prompt_ids) - 1].float(), dim=-1)
     out: list[TokenLogprobs | None] = [None]
-    out.extend(top_logprobs(logprobs[j], prompt_ids[j + 1], k) for j in range(len(prompt_ids) - 1))
+    out.extend(top_logprobs(logprobs, prompt_ids[1:], [k] * (len(prompt_ids) - 1)))
     return out
 
 
@@ -174,17 +183,8 @@ def _logprobs(
     if not rows:
         return {}
     raw = torch.log_softmax(logits[torch.tensor(rows, dtype=torch.long)], dim=-1)
-    chosen = torch.tensor([tokens[i] for i in rows], dtype=torch.long).unsqueeze(1)
-    own = raw.gather(1, chosen).squeeze(1).tolist()
-    ks = [min(seqs[i].spec.logprobs or 0, raw.shape[-1]) for i in rows]
-    values, ids = raw.topk(max(ks)) if max(ks) > 0 else (torch.empty(len(rows), 0), torch.empty(len(rows), 0))
-    values_l, ids_l = values.tolist(), ids.tolist()
-    return {
-        i: TokenLogprobs(
-            logprob=own[j], top={int(t): float(v) for t, v in zip(ids_l[j][: ks[j]], values_l[j][: ks[j]], strict=True)}
-        )
-        for j, i in enumerate(rows)
-    }
+    chosen = [t for i in rows if isinstance(t := tokens[i], int)]
+    return dict(zip(rows, top_logprobs(raw, chosen, [seqs[i].spec.logprobs or 0 for i in rows]), strict=True))
 
 
 def _processed(logits: torch.Tensor, seqs: Sequence[SequenceSampler]) -> torch.Tensor:
