@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import logging
 import os
 import shutil
 import time
@@ -18,10 +19,13 @@ from torch._C._profiler import _ExperimentalConfig
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from profiling.backends.base import ProfilerBackend, RecordedTrace
+from profiling.backends.chrome_names import repair_names
 from profiling.backends.forked import ForkUnavailable, run_forked
 from profiling.config import ProfileOptions
 from profiling.manifest import ClockSample
 from profiling.trace_budget import MIB, TraceCut, cut_trace
+
+log = logging.getLogger(__name__)
 
 TRACE_FILE = "trace.pt.trace.json.gz"
 GZIP_LEVEL = 1
@@ -43,10 +47,13 @@ first profiler start): set it with `os.environ.setdefault` (a KINETO_LOG_LEVEL a
 in the process, and in the environment of the processes it starts."""
 
 
-def _trace_only() -> _ExperimentalConfig | None:
+def _trace_only(options: ProfileOptions) -> _ExperimentalConfig | None:
     """Kineto's `trace_only`: the stop (on the model's thread, holding the GIL) skips building
     Python event objects that only `events()` reads, which this backend never calls: about 40%
-    of a CPU recording's stop. None where this torch has no such option."""
+    of a CPU recording's stop. None where this torch has no such option, and with stacks, which
+    need those objects (torch turns the option off with a warning at every start)."""
+    if options.with_stack:
+        return None
     try:
         return _ExperimentalConfig(trace_only=True)
     except TypeError:
@@ -98,6 +105,13 @@ class TorchRecordedTrace(RecordedTrace):
             # garbage collection, which a large process like a Serve replica rarely runs:
             # dead recordings piled up, hundreds of MB each.
             prof.profiler = None
+        if written["repaired_names"]:
+            log.warning(
+                "the trace in %s had %d event names torch.profiler wrote as invalid JSON (frames of "
+                "code freed while recording, seen with with_stack); they were escaped",
+                out_dir.name,
+                written["repaired_names"],
+            )
         self.trace_bytes = written["trace_bytes"]
         self.cut = None if written["cut"] is None else TraceCut(**written["cut"])
         return [out_dir / TRACE_FILE]
@@ -105,12 +119,14 @@ class TorchRecordedTrace(RecordedTrace):
 
 def _write(prof: profile, out_dir: Path, options: ProfileOptions) -> dict[str, Any]:
     """Export `prof`'s trace as out_dir/TRACE_FILE, gzipped, cut to `options.max_trace_mb`;
-    its JSON size and cut, as plain data."""
+    its JSON size, cut and count of event names repaired (profiling/backends/chrome_names.py),
+    as plain data."""
     path = out_dir / TRACE_FILE
     plain, packed = out_dir / f".{TRACE_FILE}.tmp.json", out_dir / f".{TRACE_FILE}.tmp.gz"
     cut: TraceCut | None = None
     try:
         prof.export_chrome_trace(str(plain))
+        repaired = repair_names(plain)
         trace_bytes = plain.stat().st_size
         limit = options.max_trace_mb
         with igzip.open(packed, "wb", compresslevel=GZIP_LEVEL) as dst:
@@ -123,7 +139,11 @@ def _write(prof: profile, out_dir: Path, options: ProfileOptions) -> dict[str, A
     finally:
         plain.unlink(missing_ok=True)
         packed.unlink(missing_ok=True)
-    return {"trace_bytes": trace_bytes, "cut": None if cut is None else dataclasses.asdict(cut)}
+    return {
+        "trace_bytes": trace_bytes,
+        "cut": None if cut is None else dataclasses.asdict(cut),
+        "repaired_names": repaired,
+    }
 
 
 class TorchProfilerBackend(ProfilerBackend):
@@ -132,15 +152,13 @@ class TorchProfilerBackend(ProfilerBackend):
 
     def _start(self) -> None:
         if "cuda" in self.options.activities and not torch.cuda.is_available():
-            raise RuntimeError(
-                "activities include 'cuda' but torch sees no CUDA device; use activities: [cpu]"
-            )
+            raise RuntimeError("activities include 'cuda' but torch sees no CUDA device; use activities: [cpu]")
         self._prof = profile(
             activities=[_ACTIVITIES[a] for a in self.options.activities],
             record_shapes=self.options.record_shapes,
             with_stack=self.options.with_stack,
             profile_memory=self.options.with_memory,
-            experimental_config=_trace_only(),
+            experimental_config=_trace_only(self.options),
         )
         self._prof.start()
 
