@@ -6,7 +6,6 @@ Every rule that ties two keys together is checked here, by the builder, so `serv
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -24,8 +23,6 @@ from serve_app.net import is_loopback
 from serve_app.tiny_model import TinyModelSpec
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-MIN_TOKEN_CHARS = 16
-"""A control token is at least this long."""
 
 
 class ListenerOptions(StrictModel):
@@ -260,34 +257,6 @@ class AppArgs(StrictModel):
                 f"or set engine: {info.field_name}"
             )
         return options
-
-    def read_control_token(self) -> str | None:
-        """The control token from control_token_env or control_token_file, read where this runs
-        (None: neither is set). ValueError naming the source and the fix when it is missing,
-        unreadable or shorter than MIN_TOKEN_CHARS."""
-        if self.control_token_env is not None:
-            source = f"environment variable {self.control_token_env}"
-            token = os.environ.get(self.control_token_env)
-            if token is None:
-                raise ValueError(
-                    f"control_token_env names {self.control_token_env}, which is not set in this process's "
-                    "environment: export it where Ray starts (the shell of `serve run` or `ray start`)"
-                )
-        elif self.control_token_file is not None:
-            source = f"control_token_file {self.control_token_file}"
-            try:
-                token = Path(self.control_token_file).read_text()
-            except OSError as e:
-                raise ValueError(f"cannot read {source} ({e.strerror}): make it readable where the ingress runs") from e
-        else:
-            return None
-        token = token.strip()
-        if len(token) < MIN_TOKEN_CHARS:
-            raise ValueError(
-                f"the control token from {source} has {len(token)} characters; use at least {MIN_TOKEN_CHARS} "
-                "(e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`)"
-            )
-        return token
 
     @property
     def engine_options(self) -> EngineOptions:

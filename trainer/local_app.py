@@ -97,6 +97,7 @@ def local_rollout_app(serve_config: str | Path, overrides: dict[str, Any]) -> It
     """Run the first application of `serve_config` with `overrides` applied to its args, on a
     private local cluster bound to loopback. `replica_env` in `overrides` adds to the config's."""
     from serve_app.app import parse_args
+    from serve_app.control_token import read_control_token
     from serve_app.net import free_port, http_url
     from serve_app.tiny_model import ensure_tiny_model
 
@@ -123,6 +124,6 @@ def local_rollout_app(serve_config: str | Path, overrides: dict[str, Any]) -> It
             base_url=base_url,
             model_dir=model_dir,
             args=args,
-            control_token=parsed.read_control_token(),
+            control_token=read_control_token(parsed),
             control_url=None if control is None else http_url(control.host, control.port),
         )

@@ -15,7 +15,7 @@ log = logging.getLogger(__name__)
 class AdmissionHold:
     """The hold, its deadline, and the engine's own pause state.
 
-    `pause` / `resume`: pause and resume the engine (its hooks); `require_pause`: raises when the
+    `pause` / `resume`: pause and resume the engine (its adapter's); `require_pause`: raises when the
     engine cannot pause; `annotate(step, **fields)`: writes into the step's entry; `control`: the
     engine's control lock, which an expiry takes before it resumes."""
 

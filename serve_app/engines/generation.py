@@ -102,3 +102,25 @@ class SpanBuilder:
     def replace(self, spans: list[WeightVersionSpan]) -> None:
         """The engine's exact spans for the whole output."""
         self.spans = [s.model_copy() for s in spans]
+
+
+def check_fits(context_length: int | None, prompt_tokens: int, max_tokens: int) -> None:
+    """ValueError (a 422 for the caller) when a prompt leaves no room for max_tokens in the
+    engine's context (`context_length` None: unknown, not checked)."""
+    if context_length is not None and prompt_tokens + max_tokens > context_length:
+        raise ValueError(
+            f"the prompt has {prompt_tokens} tokens and max_tokens is {max_tokens}: together over the "
+            f"model's context of {context_length} tokens; shorten the prompt or lower max_tokens"
+        )
+
+
+def room_left(context_length: int | None, prompt_tokens: int) -> int:
+    """max_tokens for a request that gives none: the rest of the engine's context."""
+    if context_length is None:
+        raise ValueError("the model's context length is unknown: give max_tokens")
+    if prompt_tokens >= context_length:
+        raise ValueError(
+            f"the prompt has {prompt_tokens} tokens: no room left in the model's context of "
+            f"{context_length} tokens; shorten the prompt"
+        )
+    return context_length - prompt_tokens

@@ -14,9 +14,9 @@ from profiling.config import ProfileOptions, StrictModel, Tool
 
 
 class Capability(StrEnum):
-    """What an engine can do beyond the control policy every engine shares; the hooks an engine
-    fills for each are `CAPABILITY_HOOKS` of `serve_app/engines/base.py`
-    (docs/engines.md#capabilities)."""
+    """What an engine can do beyond the control policy every engine shares; the protocol an
+    engine's adapter implements for each is `CAPABILITY_PROTOCOLS` of
+    `serve_app/engines/adapter.py` (docs/engines.md#capabilities)."""
 
     GENERATE = "generate"
     """Serve completions: every engine has it."""

@@ -6,18 +6,19 @@ from pathlib import Path
 from typing import Any
 
 
-class HfTokenizerMixin:
-    """`tokenize`/`detokenize`/`token_strings` of `RolloutEngine` from the model directory's own
-    tokenizer, and the prompt check every engine does before generating."""
+class HfTokenizer:
+    """`tokenize`/`detokenize`/`token_strings` from the model directory's own tokenizer, and the
+    prompt check every engine does before generating."""
 
-    def _load_tokenizer(self, model_dir: Path) -> None:
+    def __init__(self, model_dir: Path):
         from transformers import AutoTokenizer
 
         self._tokenizer = AutoTokenizer.from_pretrained(model_dir)
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self._tokenizer)
+        self.vocab_size: int = len(self._tokenizer)
+        """Token ids the model embeds: the tokenizer's, unless the engine knows its model's
+        (the embedded engine sets its model config's)."""
+        self.eos_token_id: int | None = self._tokenizer.eos_token_id
+        self.pad_token_id: int | None = self._tokenizer.pad_token_id
 
     def tokenize(self, text: str) -> list[int]:
         return self._tokenizer(text).input_ids

@@ -2,7 +2,7 @@
 come from.
 
 * The token comes from an environment variable or a file named in the app's args
-  (`AppArgs.read_control_token`), never from the args themselves.
+  (`serve_app/control_token.py`), never from the args themselves.
 * An app whose HTTP port listens beyond loopback refuses to start without a token: anyone who
   reaches the port could otherwise ratchet the served version, hold generation or block the
   trainer's steps.

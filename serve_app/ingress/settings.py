@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from serve_app.control_token import read_control_token
 from serve_app.net import is_loopback
 from serve_app.redact import Redactor, app_redactor
 
@@ -48,7 +49,7 @@ def configure(settings: IngressSettings) -> None:
 def configure_for(args: AppArgs, host: str | None, request_timeout_s: float | None) -> str | None:
     """Set this process's settings for an HTTP front of the app with `args` listening on `host`
     (None: not known here); returns the control token (None: the app has none)."""
-    token = args.read_control_token()
+    token = read_control_token(args)
     configure(
         IngressSettings(
             access=Access(token=token, loopback_only=host is not None and is_loopback(host)),

@@ -18,7 +18,8 @@ from profiling.session import SessionConflict, SessionSpec
 from serve_app.admission import GenerationGate
 from serve_app.api import EngineRpcReport, Outcome, PerReplica, ReplicaReport
 from serve_app.config import AppArgs
-from serve_app.engines.base import AdoptConflict, AdoptRefused, RolloutEngine
+from serve_app.engines.controller import EngineController
+from serve_app.engines.weight_control import AdoptConflict, AdoptRefused
 from serve_app.weights.collective_schema import CollectiveTransfer
 from serve_app.weights.object_store import keep_only, materialize_weights
 from serve_app.weights.safetensors_file import WeightsError
@@ -40,7 +41,7 @@ OWN_ERRORS: tuple[tuple[type[Exception], Outcome], ...] = (
 class ControlPlane:
     """Control methods of the replica deployment, reached by the controller's broadcast."""
 
-    engine: RolloutEngine
+    engine: EngineController
     replica_id: str
     _args: AppArgs
     _gate: GenerationGate

@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator
 from serve_app.admission import GenerationGate
 from serve_app.async_streams import merged
 from serve_app.choices import ChoiceBuilder, JobAccepted, JobDone, JobResult, PromptJob, choice_index, sampling_for
-from serve_app.engines.base import RolloutEngine, check_fits, room_left
-from serve_app.engines.generation import GenerateRequest
+from serve_app.engines.controller import EngineController
+from serve_app.engines.generation import GenerateRequest, check_fits, room_left
 from serve_app.openai_api import ChatChunkChoice, ChatCompletionRequest, CompletionChunkChoice
 
 INLINE_TOKENIZE_CHARS = 1024
@@ -23,7 +23,7 @@ class GenerationPlane:
     """Generation methods of the replica deployment, load balanced by Serve's router (and called
     in-process by the replica listener)."""
 
-    engine: RolloutEngine
+    engine: EngineController
     _gate: GenerationGate
 
     async def run_jobs(self, jobs: list[PromptJob]) -> list[JobResult]:
@@ -68,16 +68,16 @@ class GenerationPlane:
         engine, request = self.engine, job.request
         if isinstance(request, ChatCompletionRequest):
             messages = [{"role": m.role, "content": m.text()} for m in request.messages]
-            prompt_ids = await asyncio.to_thread(engine.chat_prompt, messages, request.add_generation_prompt)
+            prompt_ids = await asyncio.to_thread(engine.tokenizer.chat_prompt, messages, request.add_generation_prompt)
         elif isinstance(job.prompt, str) and len(job.prompt) <= INLINE_TOKENIZE_CHARS:
-            prompt_ids = engine.tokenize(job.prompt)
+            prompt_ids = engine.tokenizer.tokenize(job.prompt)
         elif isinstance(job.prompt, str):
-            prompt_ids = await asyncio.to_thread(engine.tokenize, job.prompt)
+            prompt_ids = await asyncio.to_thread(engine.tokenizer.tokenize, job.prompt)
         else:
             prompt_ids = list(job.prompt or [])
         if not prompt_ids:
             raise ValueError("prompt is empty after tokenization")
-        engine.check_prompt(prompt_ids)
+        engine.tokenizer.check_prompt(prompt_ids)
         max_tokens = request.output_limit()
         if max_tokens is None:
             max_tokens = room_left(engine.context_length, len(prompt_ids))
@@ -87,7 +87,7 @@ class GenerationPlane:
         builders, requests = [], []
         for i in range(request.n):
             index = choice_index(request, job.prompt_index, i)
-            builders.append(ChoiceBuilder(engine, request, index, prompt_ids, text, engine.weight_version))
+            builders.append(ChoiceBuilder(engine.tokenizer, request, index, prompt_ids, text, engine.weight_version))
             requests.append(
                 GenerateRequest(
                     prompt_token_ids=prompt_ids,

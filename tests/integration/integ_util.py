@@ -254,17 +254,19 @@ def write_perturbed_weights(model_dir: Path, out: Path, seed: int) -> Path:
 
 @contextlib.asynccontextmanager
 async def direct_vllm_engine(model_dir: Path, tmp: Path) -> AsyncIterator[Any]:
-    """One `VllmEngine` built in this process, on the caller's event loop, as a replica builds it
+    """One `VllmEngine` behind its controller, built in this process, on the caller's event loop, as a replica builds it
     (its traces under `tmp`); shut down on the way out."""
     from profiling.manifest import ManifestEntry
     from profiling.session import ProfileSession
     from profiling.store import TraceStore
     from serve_app.config import AppArgs
+    from serve_app.engines.controller import EngineController
     from serve_app.engines.vllm.engine import VllmEngine
 
     os.environ.update(VLLM_ENV)
     exporter = ThreadPoolExecutor(1, thread_name_prefix="export")
-    built = VllmEngine(
+    built = EngineController(
+        VllmEngine,
         args=AppArgs(engine="vllm", vllm={"dtype": "float32", "max_model_len": 256}),
         model_dir=model_dir,
         session_factory=lambda backend_factory: ProfileSession(

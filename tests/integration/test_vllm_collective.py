@@ -120,7 +120,7 @@ async def test_a_collective_sync_serves_the_broadcast_weights_as_a_path_load_wou
     state = perturbed(model_dir, seed=1)
     await collective_sync(engine, state, version=1)
     after = await greedy(engine)
-    assert engine.weight_version == 1 and await engine._reported_version() == 1
+    assert engine.weight_version == 1 and await engine.adapter.reported_version() == 1
     assert spans(after) == [(1, 0, len(after.token_ids))], "vLLM labels every token with the new version"
     assert after.token_ids != base.token_ids, "greedy output moved with the broadcast weights"
 

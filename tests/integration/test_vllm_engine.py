@@ -138,7 +138,7 @@ async def test_stop_strings_and_stop_tokens_end_with_their_reason(engine):
     assert (last.finish_reason, last.stop_reason) == ("stop", greedy[k])
     # A stop string: the text of a later token, first seen there; the output ends with the token
     # that completed it (the replica cuts the text).
-    texts = [engine.detokenize(greedy[: i + 1]) for i in range(len(greedy))]
+    texts = [engine.tokenizer.detokenize(greedy[: i + 1]) for i in range(len(greedy))]
     j, stop = next(
         (i, texts[i][len(texts[i - 1]) :].strip())
         for i in range(4, len(greedy))
@@ -199,8 +199,8 @@ async def test_streaming_sends_the_same_tokens_in_deltas(engine):
 
 @module_loop
 async def test_closing_the_stream_aborts_the_request_in_vllm(engine):
-    llm = engine._llm
-    for opened in (engine._stream, engine.generate):  # the engine's hook, and the base around it
+    llm = engine.adapter._llm
+    for opened in (engine.adapter.stream, engine.generate):  # the engine's hook, and the base around it
         stream = opened(_request(True, temperature=1.0, seed=5, max_tokens=200, ignore_eos=True))
         got = [await anext(stream) for _ in range(2)]
         assert got and llm.get_num_unfinished_requests() == 1
@@ -294,7 +294,7 @@ async def test_a_request_after_an_update_under_load_reuses_no_kv_of_the_old_weig
     computed on the old weights: a request with that prefix admitted after the switch gets the
     greedy tokens the new weights give from an empty cache, as a fresh engine's; the kept ones
     report both versions."""
-    cache = engine._llm.vllm_config.cache_config
+    cache = engine.adapter._llm.vllm_config.cache_config
     assert cache.enable_prefix_caching, "vLLM caches prefixes by default; this test needs it"
     # Only full blocks are cached (128 tokens on CPU): the prefix fills one.
     prefix = [(7 * i + 3) % 500 + 1 for i in range(cache.block_size)]
@@ -327,7 +327,7 @@ async def test_a_request_after_an_update_under_load_reuses_no_kv_of_the_old_weig
     }
     (after,) = await _deltas(engine, **probe)
     # What a fresh engine on the new weights gives: the same request from an emptied cache (idle now).
-    assert await engine._llm.reset_prefix_cache()
+    assert await engine.adapter._llm.reset_prefix_cache()
     (fresh,) = await _deltas(engine, **probe)
     assert _spans(after) == _spans(fresh) == [(new, 0, 16)]
     assert after.token_ids == fresh.token_ids, "the request reused KV the old weights computed"
@@ -356,8 +356,6 @@ def vllm_app(ray_cluster, model_dir, tmp_path_factory):
 
 HTTP = HttpOptions(app="vllm_app", timeout=120.0)
 """How `http` (conftest.py) reaches this module's app."""
-
-
 
 
 def forward_markers(trace: dict) -> list[tuple[int, int, int]]:

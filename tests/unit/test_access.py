@@ -1,4 +1,4 @@
-"""Who may drive the app (serve_app/ingress/auth.py, AppArgs.read_control_token): the control
+"""Who may drive the app (serve_app/ingress/auth.py, serve_app/control_token.py): the control
 token comes from an environment variable or a file and is long enough, a port beyond loopback
 needs one, and a loopback-only app answers only requests naming a loopback host."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from serve_app.app import parse_args
-from serve_app.config import MIN_TOKEN_CHARS
+from serve_app.control_token import MIN_TOKEN_CHARS, read_control_token
 from serve_app.ingress.auth import AccessError, _host_name, check_exposure
 from serve_app.net import is_loopback
 
@@ -16,16 +16,16 @@ TOKEN = "t" * MIN_TOKEN_CHARS
 
 def test_the_token_comes_from_the_named_environment_variable(monkeypatch):
     monkeypatch.setenv("ROLLOUT_TEST_TOKEN", f"  {TOKEN}\n")
-    assert parse_args({"control_token_env": "ROLLOUT_TEST_TOKEN"}).read_control_token() == TOKEN
+    assert read_control_token(parse_args({"control_token_env": "ROLLOUT_TEST_TOKEN"})) == TOKEN
 
 
 def test_the_token_comes_from_the_named_file(tmp_path):
     (tmp_path / "token").write_text(TOKEN + "\n")
-    assert parse_args({"control_token_file": str(tmp_path / "token")}).read_control_token() == TOKEN
+    assert read_control_token(parse_args({"control_token_file": str(tmp_path / "token")})) == TOKEN
 
 
 def test_no_token_source_means_no_token():
-    assert parse_args({}).read_control_token() is None
+    assert read_control_token(parse_args({})) is None
 
 
 @pytest.mark.parametrize(
@@ -42,7 +42,7 @@ def test_a_missing_or_short_token_is_refused_naming_its_source(monkeypatch, args
     if env is not None:
         monkeypatch.setenv("ROLLOUT_TEST_TOKEN", env)
     with pytest.raises(ValueError, match=message):
-        parse_args(args).read_control_token()
+        read_control_token(parse_args(args))
 
 
 @pytest.mark.parametrize(

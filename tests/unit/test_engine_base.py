@@ -1,6 +1,7 @@
-"""The control policy every engine shares (serve_app/engines/base.py), against FakeProfilingEngine:
-a FAKE engine whose FAKE profiler writes files the way vLLM does and records the order of the
-calls it gets. The real engines are tested in tests/integration."""
+"""The control policy every engine shares (serve_app/engines/controller.py), against
+FakeProfilingEngine: the real controller around a FAKE adapter whose FAKE profiler writes files
+the way vLLM does, and which records the order of the calls it gets. The real engines are tested
+in tests/integration."""
 
 from __future__ import annotations
 
@@ -17,12 +18,14 @@ from profiling.manifest import ManifestEntry
 from profiling.session import ProfileSession, SessionConflict, SessionSpec
 from profiling.store import TraceStore
 from serve_app.config import AppArgs
-from serve_app.engines.base import AdoptRefused, RolloutEngine
+from serve_app.engines.adapter import EngineAdapter
+from serve_app.engines.controller import EngineController
 from serve_app.engines.engine_profiler import EngineProfiler, recording_prefix
 from serve_app.engines.generation import GenerateDelta, GenerateRequest, SamplingSpec
 from serve_app.engines.options import Capability
 from serve_app.engines.registry import ENGINE_OPTIONS
 from serve_app.engines.vllm.options import VllmOptions
+from serve_app.engines.weight_control import AdoptRefused
 
 FLUSH_S = 0.3
 
@@ -33,8 +36,8 @@ class FakeProfiler(EngineProfiler):
     step_range = "execute_context_"
 
     def __init__(self, spec: SessionSpec, engine: FakeProfilingEngine):
-        assert engine._loop is not None
-        super().__init__(spec, trace_dir=engine.trace_dir, loop=engine._loop)
+        assert engine.loop is not None
+        super().__init__(spec, trace_dir=engine.trace_dir, loop=engine.loop)
         self._engine = engine
 
     async def _engine_start(self) -> None:
@@ -54,10 +57,10 @@ class FakeProfiler(EngineProfiler):
 
 
 class FakeProfilingOptions(VllmOptions):
-    """The FAKE engine's options: vLLM's option rules, and the capabilities its hooks fill."""
+    """The FAKE engine's options: vLLM's option rules, and the capabilities its adapter implements."""
 
     engine = "fake-profiling"
-    implementation = f"{__name__}:FakeProfilingEngine"
+    implementation = f"{__name__}:FakeProfilingAdapter"
     capabilities = frozenset({Capability.GENERATE, Capability.PROFILE, Capability.PAUSE, Capability.LOAD_PATH})
 
 
@@ -67,10 +70,46 @@ def fake_engines_registered(monkeypatch):
         monkeypatch.setitem(ENGINE_OPTIONS, options.engine, options)
 
 
-class FakeProfilingEngine(RolloutEngine[Path]):
-    """A fake engine with its own (fake) profiler; vLLM's option rules apply to it."""
+class FakeProfilingAdapter(EngineAdapter):
+    """The FAKE adapter: it logs each call into its controller's `calls`."""
+
+    host: FakeProfilingEngine
+
+    def open(self, args: AppArgs, model_dir: Path) -> None:
+        self.host.trace_dir.mkdir(parents=True, exist_ok=True)
+
+    def stream(self, request: GenerateRequest) -> AsyncGenerator[GenerateDelta, None]:
+        raise NotImplementedError
+
+    def profiler(self, spec: SessionSpec) -> FakeProfiler:
+        return FakeProfiler(spec, self.host)
+
+    async def pause(self) -> None:
+        self.host.log("pause")
+
+    async def resume(self) -> None:
+        self.host.log("resume")
+
+    async def read_weights(self, path: Path) -> Path:
+        return path
+
+    async def load_weights(self, weights: Path, version: int) -> None:
+        await asyncio.sleep(self.host.load_s)
+        self.host.loaded.append((weights, version))
+        self.host.log("load")
+
+    def healthy(self) -> bool:
+        return True
+
+    async def close(self) -> None:
+        pass
+
+
+class FakeProfilingEngine(EngineController):
+    """The real controller around the fake adapter; vLLM's option rules apply to it."""
 
     options: type[FakeProfilingOptions] = FakeProfilingOptions
+    adapter_class: type[FakeProfilingAdapter] = FakeProfilingAdapter
 
     def __init__(self, store: TraceStore, exporter, trace_dir: Path, model_dir: Path, hold_timeout_s: float = 5.0):
         self.calls: list[tuple[str, float]] = []
@@ -79,6 +118,7 @@ class FakeProfilingEngine(RolloutEngine[Path]):
         self.load_s = 0.0
         """How long a weight load takes (a large checkpoint)."""
         super().__init__(
+            self.adapter_class,
             args=AppArgs(engine=self.options.engine, hold_timeout_s=hold_timeout_s),
             model_dir=model_dir,
             session_factory=lambda backend_factory: ProfileSession(
@@ -92,40 +132,11 @@ class FakeProfilingEngine(RolloutEngine[Path]):
 
     @property
     def checkpoint(self) -> str:
-        """A checkpoint of the served model, which the base's header check accepts."""
+        """A checkpoint of the served model, which the controller's header check accepts."""
         return str(self.model_dir / "model.safetensors")
 
     def log(self, what: str) -> None:
         self.calls.append((what, time.monotonic()))
-
-    def _open(self, args: AppArgs, model_dir: Path) -> None:
-        self.trace_dir.mkdir(parents=True, exist_ok=True)
-
-    def _stream(self, request: GenerateRequest) -> AsyncGenerator[GenerateDelta, None]:
-        raise NotImplementedError
-
-    def _profiler(self, spec: SessionSpec) -> FakeProfiler:
-        return FakeProfiler(spec, self)
-
-    async def _pause(self) -> None:
-        self.log("pause")
-
-    async def _resume(self) -> None:
-        self.log("resume")
-
-    async def _read_weights(self, path: Path) -> Path:
-        return path
-
-    async def _load_weights(self, weights: Path, version: int) -> None:
-        await asyncio.sleep(self.load_s)
-        self.loaded.append((weights, version))
-        self.log("load")
-
-    def _healthy(self) -> bool:
-        return True
-
-    async def _close(self) -> None:
-        pass
 
     def names(self) -> list[str]:
         return [c for c, _ in self.calls]
@@ -267,7 +278,7 @@ async def test_the_window_s_requests_and_the_sync_s_hold_reach_the_step_s_entry(
         async for _ in engine.generate(request):
             pass
 
-    engine._stream = answer
+    engine.adapter.stream = answer  # type: ignore[method-assign]
     assert await engine.start_profile(spec(3))
     request = GenerateRequest(prompt_token_ids=[1, 2], sampling=SamplingSpec(max_tokens=3))
     await asyncio.gather(*(drain(request) for _ in range(4)))
@@ -295,7 +306,7 @@ async def test_a_hold_counts_as_held_time_and_its_release_as_generating_again(en
         async for _ in engine.generate(request):
             pass
 
-    engine._stream = answer
+    engine.adapter.stream = answer  # type: ignore[method-assign]
     request = GenerateRequest(prompt_token_ids=[1, 2], sampling=SamplingSpec(max_tokens=1))
     assert await engine.start_profile(spec(3))
     await engine.update_weights(0, None, resume=False)  # a hold inside the window, no load
@@ -316,33 +327,41 @@ async def test_a_hold_counts_as_held_time_and_its_release_as_generating_again(en
 
 class FakeVersionedOptions(FakeProfilingOptions):
     engine = "fake-versioned"
-    implementation = f"{__name__}:FakeVersionedEngine"
+    implementation = f"{__name__}:FakeVersionedAdapter"
     capabilities = FakeProfilingOptions.capabilities | {Capability.ADOPT_EXTERNAL, Capability.RECEIVE_COLLECTIVE}
 
 
-class FakeVersionedEngine(FakeProfilingEngine):
-    """A FAKE engine that reports a weight version of its own (as vLLM does) and stages a fake
-    collective transfer: `reported` is what the trainer's own transfer set."""
+class FakeVersionedAdapter(FakeProfilingAdapter):
+    """A FAKE adapter that reports a weight version of its own (as vLLM does) and stages a fake
+    collective transfer: its controller's `reported` is what the trainer's own transfer set."""
 
+    host: FakeVersionedEngine
+
+    async def reported_version(self) -> int | None:
+        return self.host.reported
+
+    async def adopted(self, version: int) -> None:
+        pass
+
+    async def receive_weights(self, transfer, first_rank, world_size, timeout_s) -> None:
+        self.host.staged = Path(self.host.checkpoint)
+
+    async def staged_weights(self) -> Path:
+        assert self.host.staged is not None
+        return self.host.staged
+
+    async def drop_staged(self) -> None:
+        self.host.staged = None
+
+    async def weights_snapshot(self) -> dict:
+        return {}
+
+
+class FakeVersionedEngine(FakeProfilingEngine):
     options = FakeVersionedOptions
+    adapter_class = FakeVersionedAdapter
     reported: int | None = None
     staged: Path | None = None
-
-    async def _reported_version(self) -> int | None:
-        return self.reported
-
-    async def _receive_weights(self, transfer, first_rank, world_size, timeout_s) -> None:
-        self.staged = Path(self.checkpoint)
-
-    async def _staged_weights(self) -> Path:
-        assert self.staged is not None
-        return self.staged
-
-    async def _drop_staged(self) -> None:
-        self.staged = None
-
-    async def _weights_snapshot(self) -> dict:
-        return {}
 
 
 @pytest.fixture

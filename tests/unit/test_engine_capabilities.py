@@ -1,7 +1,7 @@
 """Engines declare capabilities (docs/engines.md#capabilities): a minimal engine defined here, with
-only `generate` and `load_path`, runs behind the real control policy (serve_app/engines/base.py,
+only `generate` and `load_path`, runs behind the real controller (serve_app/engines/controller.py,
 built through the registry as a replica builds it), and everything it lacks is refused by name:
-at config time, before a control call fans out, and in the engine itself."""
+at config time, before a control call fans out, and in the controller itself."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ from profiling.session import ProfileSession
 from serve_app.config import AppArgs
 from serve_app.control.capabilities import require
 from serve_app.engines import create_engine
-from serve_app.engines.base import RolloutEngine, capability_gaps
+from serve_app.engines.adapter import EngineAdapter, capability_gaps
+from serve_app.engines.controller import EngineController
 from serve_app.engines.generation import GenerateDelta, GenerateRequest, SamplingSpec
 from serve_app.engines.options import Capability, CapabilityMissing, EngineOptions
 from serve_app.engines.registry import ENGINE_OPTIONS
@@ -36,37 +37,37 @@ class MinimalOptions(EngineOptions):
     capabilities = frozenset({Capability.GENERATE, Capability.LOAD_PATH})
 
 
-class MinimalEngine(RolloutEngine[StateDict]):
+class MinimalEngine(EngineAdapter):
     """Generates `max_tokens` copies of the prompt's last token; its 'model' is the state dict it
     loaded last (its tensor count is all it uses)."""
 
-    def _open(self, args: AppArgs, model_dir: Path) -> None:
+    def open(self, args: AppArgs, model_dir: Path) -> None:
         self.tensors = len(read_state_dict(model_dir / "model.safetensors"))
 
-    async def _stream(self, request: GenerateRequest) -> AsyncGenerator[GenerateDelta, None]:
+    async def stream(self, request: GenerateRequest) -> AsyncGenerator[GenerateDelta, None]:
         for i in range(request.sampling.max_tokens):
             last = i == request.sampling.max_tokens - 1
             yield GenerateDelta(
                 token_ids=[request.prompt_token_ids[-1]],
-                weight_version=self.weight_version,
+                weight_version=self.host.weight_version,
                 finish_reason="length" if last else None,
             )
 
-    async def _read_weights(self, path: Path) -> StateDict:
+    async def read_weights(self, path: Path) -> StateDict:
         return read_state_dict(path)
 
-    async def _load_weights(self, weights: StateDict, version: int) -> None:
+    async def load_weights(self, weights: StateDict, version: int) -> None:
         self.tensors = len(weights)
 
-    def _healthy(self) -> bool:
+    def healthy(self) -> bool:
         return True
 
-    async def _close(self) -> None:
+    async def close(self) -> None:
         pass
 
 
 class ProfilesWithoutProfiler(MinimalOptions):
-    """Declares `profile` for an engine that fills no `_profiler`: the engine refuses to build."""
+    """Declares `profile` for an engine that implements no `profiler`: the engine refuses to build."""
 
     engine = "minimal-claims-profile"
     capabilities = MinimalOptions.capabilities | {Capability.PROFILE}
@@ -78,7 +79,7 @@ def registered(monkeypatch):
         monkeypatch.setitem(ENGINE_OPTIONS, options.engine, options)
 
 
-def build(args: AppArgs, store, exporter, tmp_path: Path) -> RolloutEngine:
+def build(args: AppArgs, store, exporter, tmp_path: Path) -> EngineController:
     """The engine `args` names, built through the registry as a replica builds it."""
     return create_engine(
         args,
@@ -98,20 +99,20 @@ async def test_a_minimal_engine_generates_and_loads_weights_behind_the_real_poli
 ):
     args = AppArgs(engine="minimal", model_path=str(model_dir))
     engine = build(args, store, exporter, tmp_path)
-    assert isinstance(engine, MinimalEngine)
+    assert isinstance(engine.adapter, MinimalEngine)
     await engine.opened()
     request = GenerateRequest(prompt_token_ids=[5, 7], sampling=SamplingSpec(max_tokens=3))
     deltas = [d async for d in engine.generate(request)]
     assert [d.token_ids for d in deltas] == [[7], [7], [7]] and {d.weight_version for d in deltas} == {0}
 
     load_s = await engine.update_weights(1, str(model_dir / "model.safetensors"), resume=True)
-    assert load_s >= 0 and engine.weight_version == 1 and engine.tensors > 0
+    assert load_s >= 0 and engine.weight_version == 1 and engine.adapter.tensors > 0
     assert {d.weight_version async for d in engine.generate(request)} == {1}
     status = engine.status()
     assert status.weight_version == 1 and not status.paused and status.requests_in_flight == 0
 
-    # What it lacks is refused by the engine itself, naming the capability (a caller that
-    # reaches the replica's handle directly, past the controller).
+    # What it lacks is refused by the engine's controller, naming the capability (a caller that
+    # reaches the replica's handle directly, past the app's controller).
     with pytest.raises(CapabilityMissing, match=r"engine minimal.*'pause'"):
         await engine.stop_profile(None, pause=True)
     with pytest.raises(CapabilityMissing, match=r"engine minimal.*'pause'"):
@@ -147,16 +148,15 @@ def test_a_control_call_the_engine_cannot_serve_is_a_422_naming_it(capability, w
 
 
 def test_an_engine_whose_hooks_disagree_with_its_capabilities_refuses_to_build(model_dir, store, exporter, tmp_path):
-    with pytest.raises(TypeError, match="declares 'profile' but does not fill _profiler"):
+    with pytest.raises(TypeError, match="declares 'profile' but does not implement profiler"):
         build(AppArgs(engine="minimal-claims-profile", model_path=str(model_dir)), store, exporter, tmp_path)
     assert capability_gaps(MinimalEngine, frozenset({Capability.GENERATE})) == [
-        "fills _load_weights but declares no capability that uses it",
-        "fills _read_weights but declares no capability that uses it",
+        "implements load_weights, read_weights but does not declare 'load_path'",
     ]
 
 
 @pytest.mark.parametrize("name", ["transformers", "vllm", "sglang"])
-def test_each_shipped_engine_fills_exactly_the_hooks_of_its_capabilities(name):
+def test_each_shipped_engine_implements_exactly_the_protocols_of_its_capabilities(name):
     options = ENGINE_OPTIONS[name]
     module, _, cls = options.implementation.partition(":")
     assert capability_gaps(getattr(importlib.import_module(module), cls), options.capabilities) == []

@@ -15,7 +15,8 @@ from profiling.session import SessionConflict, SessionSpec, StopOutcome
 from serve_app.admission import GenerationGate
 from serve_app.api import EngineRpcReport, Outcome, PerReplica, ReplicaReport
 from serve_app.config import AppArgs
-from serve_app.engines.base import AdoptConflict, AdoptRefused, EngineStatus
+from serve_app.engines.controller import EngineStatus
+from serve_app.engines.weight_control import AdoptConflict, AdoptRefused
 from serve_app.limits import RequestLimits
 from serve_app.replica.control import ControlPlane
 from serve_app.weights.safetensors_file import WeightsError

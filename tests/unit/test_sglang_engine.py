@@ -29,6 +29,7 @@ from profiling.manifest import ManifestEntry
 from profiling.session import ProfileSession, SessionSpec
 from profiling.store import TraceStore
 from serve_app.config import AppArgs
+from serve_app.engines.controller import EngineController
 from serve_app.engines.generation import GenerateDelta, GenerateRequest, SamplingSpec, SpanBuilder
 from serve_app.engines.sglang.client import (
     GenerateChunk,
@@ -85,13 +86,13 @@ def fake(model_dir: Path) -> Iterator[tuple[str, Scheduler]]:
 
 
 @pytest.fixture
-async def engine(fake: tuple[str, Scheduler], model_dir: Path, tmp_path: Path) -> AsyncIterator[SglangEngine]:
+async def engine(fake: tuple[str, Scheduler], model_dir: Path, tmp_path: Path) -> AsyncIterator[EngineController]:
     async with open_engine(fake[0], model_dir, tmp_path) as eng:
         yield eng
 
 
 @contextlib.asynccontextmanager
-async def open_engine(url: str, model_dir: Path, tmp_path: Path) -> AsyncIterator[SglangEngine]:
+async def open_engine(url: str, model_dir: Path, tmp_path: Path) -> AsyncIterator[EngineController]:
     args = AppArgs(engine="sglang", num_replicas=1, save_path=str(tmp_path / "traces"), sglang={"url": url})
     exporter = ThreadPoolExecutor(1, thread_name_prefix="export")
 
@@ -104,6 +105,7 @@ async def open_engine(url: str, model_dir: Path, tmp_path: Path) -> AsyncIterato
         )
 
     eng = await asyncio.to_thread(
+        EngineController,
         SglangEngine,
         args=args,
         model_dir=model_dir,
@@ -117,10 +119,10 @@ async def open_engine(url: str, model_dir: Path, tmp_path: Path) -> AsyncIterato
         exporter.shutdown(wait=True)
 
 
-def profiler(engine: SglangEngine, spec: SessionSpec) -> SglangProfiler:
+def profiler(engine: EngineController, spec: SessionSpec) -> SglangProfiler:
     """A recording of the engine's profiler, driven by hand (the session drives it otherwise)."""
     return SglangProfiler(
-        spec, client=engine._client, trace_dir=engine.trace_dir, loop=asyncio.get_running_loop(), version=0
+        spec, client=engine.adapter._client, trace_dir=engine.trace_dir, loop=asyncio.get_running_loop(), version=0
     )
 
 
@@ -154,7 +156,7 @@ class Result:
         self.spans = [(s.version, s.start, s.end) for s in spans.spans]
 
 
-async def generate(engine: SglangEngine, request: GenerateRequest) -> Result:
+async def generate(engine: EngineController, request: GenerateRequest) -> Result:
     return Result([d async for d in engine.generate(request)])
 
 
@@ -184,7 +186,7 @@ def perturbed_weights(model_dir: Path, out: Path, seed: int) -> Path:
 
 
 async def test_sglang_engine_against_fake_server_records_a_step_into_its_prefixed_trace(
-    engine: SglangEngine, fake: tuple[str, Scheduler], spec
+    engine: EngineController, fake: tuple[str, Scheduler], spec
 ):
     assert await engine.start_profile(spec(3, max_forward_steps=None))
     results = [await generate(engine, greedy(4)), await generate(engine, greedy(3))]
@@ -209,7 +211,9 @@ async def test_sglang_engine_against_fake_server_records_a_step_into_its_prefixe
         assert r.spans == [(0, 0, len(r.token_ids))] and r.finish_reason in ("stop", "length")
 
 
-async def test_sglang_engine_against_fake_server_num_steps_cap_then_stop_is_a_clean_stop(engine: SglangEngine, spec):
+async def test_sglang_engine_against_fake_server_num_steps_cap_then_stop_is_a_clean_stop(
+    engine: EngineController, spec
+):
     """SGLang stops by itself after num_steps; our later stop gets its bare 500 and finds the trace."""
     await engine.start_profile(spec(4, max_forward_steps=2, tag="capped"))
     await generate(engine, greedy(5))
@@ -221,7 +225,7 @@ async def test_sglang_engine_against_fake_server_num_steps_cap_then_stop_is_a_cl
 
 
 async def test_sglang_engine_against_fake_server_window_across_an_update_has_one_trace_per_version(
-    engine: SglangEngine, fake: tuple[str, Scheduler], model_dir: Path, tmp_path: Path, spec
+    engine: EngineController, fake: tuple[str, Scheduler], model_dir: Path, tmp_path: Path, spec
 ):
     """A continuous window: the load ends SGLang's recording of version 0 and starts one of
     version 1, with generation paused, so every forward in a file ran on the version it names."""
@@ -242,14 +246,14 @@ async def test_sglang_engine_against_fake_server_window_across_an_update_has_one
 
 
 async def test_sglang_engine_against_fake_server_failed_load_in_a_window_keeps_recording_the_old_version(
-    engine: SglangEngine, fake: tuple[str, Scheduler], tmp_path: Path, spec
+    engine: EngineController, fake: tuple[str, Scheduler], tmp_path: Path, spec
 ):
     assert await engine.start_profile(spec(1, steps=[1, 2], max_forward_steps=None))
     first = await generate(engine, greedy(2))
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(WeightsError, match="Cannot find any model weights"):
-        await engine._load_weights(empty, 1)
+        await engine.adapter.load_weights(empty, 1)
     assert fake[1].profiler.in_progress, "the recording restarts after a failed load"
     second = await generate(engine, greedy(3))
     await engine.stop_profile(1, pause=False)
@@ -261,25 +265,25 @@ async def test_sglang_engine_against_fake_server_failed_load_in_a_window_keeps_r
 
 
 async def test_sglang_engine_against_fake_server_refused_profiler_calls_name_url_route_and_status(
-    engine: SglangEngine, spec
+    engine: EngineController, spec
 ):
     await profiler(engine, spec(7))._engine_start()
     with pytest.raises(SglangError) as err:
         await profiler(engine, spec(7))._engine_start()
     message = str(err.value)
     assert err.value.status == 500
-    for part in (engine._client.url, "POST /start_profile", "HTTP 500", "Internal Server Error", "server log"):
+    for part in (engine.adapter._client.url, "POST /start_profile", "HTTP 500", "Internal Server Error", "server log"):
         assert part in message, message
     await profiler(engine, spec(7))._engine_stop()
     with pytest.raises(SglangError, match="POST /stop_profile with HTTP 500"):
-        await engine._client.call("/stop_profile", own_connection=True)
+        await engine.adapter._client.call("/stop_profile", own_connection=True)
     # uvicorn closes the connection of a refused call: on a connection of its own, the next call
     # (on the pool) is unaffected.
     assert (await generate(engine, greedy(2))).token_ids
 
 
 async def test_sglang_engine_against_fake_server_weight_update_sets_version_and_changes_outputs(
-    engine: SglangEngine, model_dir: Path, tmp_path: Path
+    engine: EngineController, model_dir: Path, tmp_path: Path
 ):
     before = await generate(engine, req(max_tokens=4, temperature=0.0, logprobs=0))
     load_s = await engine.update_weights(
@@ -289,13 +293,13 @@ async def test_sglang_engine_against_fake_server_weight_update_sets_version_and_
     after = await generate(engine, req(max_tokens=4, temperature=0.0, logprobs=0))
     assert after.spans == [(1, 0, 4)] and after.logprobs != before.logprobs
     async with httpx.AsyncClient() as http:
-        info = (await http.get(f"{engine._client.url}/model_info")).json()
+        info = (await http.get(f"{engine.adapter._client.url}/model_info")).json()
     assert info["weight_version"] == "1"
     assert not engine.status().paused
 
 
 async def test_sglang_engine_against_fake_server_bad_weights_raise_and_the_old_version_serves(
-    engine: SglangEngine, tmp_path: Path
+    engine: EngineController, tmp_path: Path
 ):
     bad = tmp_path / "bad.safetensors"
     save_file({"not.a.model.weight": torch.zeros(2)}, str(bad))
@@ -304,28 +308,28 @@ async def test_sglang_engine_against_fake_server_bad_weights_raise_and_the_old_v
         await engine.update_weights(1, str(bad), resume=True)
     # SGLang's own refusals, reached through the adapter's hook: named with the server's reason.
     with pytest.raises(WeightsError) as err:
-        await engine._load_weights(bad, 1)
-    assert "Failed to update weights" in str(err.value) and engine._client.url in str(err.value)
+        await engine.adapter.load_weights(bad, 1)
+    assert "Failed to update weights" in str(err.value) and engine.adapter._client.url in str(err.value)
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(WeightsError, match="Cannot find any model weights"):
-        await engine._load_weights(empty, 1)
+        await engine.adapter.load_weights(empty, 1)
     assert engine.weight_version == 0
     result = await asyncio.wait_for(generate(engine, greedy(2)), 30)  # still serving, never paused
     assert result.spans == [(0, 0, 2)]
 
 
-async def test_sglang_engine_against_fake_server_pause_holds_requests_until_resume(engine: SglangEngine):
-    await engine._pause()
+async def test_sglang_engine_against_fake_server_pause_holds_requests_until_resume(engine: EngineController):
+    await engine.adapter.pause()
     held = asyncio.create_task(generate(engine, greedy(2)))
     await asyncio.sleep(0.5)
     assert not held.done(), "a request ran while generation was paused"
-    await engine._resume()
+    await engine.adapter.resume()
     assert len((await asyncio.wait_for(held, 30)).token_ids) == 2
 
 
 async def test_sglang_engine_against_fake_server_request_held_across_an_update_reports_the_new_version(
-    engine: SglangEngine, model_dir: Path, tmp_path: Path
+    engine: EngineController, model_dir: Path, tmp_path: Path
 ):
     await engine.stop_profile(None, pause=True)  # the admission hold of a trainer's stop(pause)
     held = asyncio.create_task(generate(engine, greedy(3)))
@@ -336,7 +340,7 @@ async def test_sglang_engine_against_fake_server_request_held_across_an_update_r
 
 
 async def test_sglang_engine_against_fake_server_update_with_requests_in_flight_retracts_them(
-    engine: SglangEngine, model_dir: Path, tmp_path: Path
+    engine: EngineController, model_dir: Path, tmp_path: Path
 ):
     """The retract pause lets the update flush SGLang's cache with requests running (an
     in_place pause would kill the scheduler); the request finishes on the new weights."""
@@ -369,13 +373,13 @@ async def until_decoding(scheduler: Scheduler, requests: int) -> None:
         await asyncio.sleep(0.01)
 
 
-def pause_in_place(engine: SglangEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+def pause_in_place(engine: EngineController, monkeypatch: pytest.MonkeyPatch) -> None:
     """The replica's pause made SGLang's `in_place` one, which keeps the running batch."""
 
     async def pause() -> None:
-        await engine._client.call("/pause_generation", PauseGenerationBody(mode="in_place"))
+        await engine.adapter._client.call("/pause_generation", PauseGenerationBody(mode="in_place"))
 
-    monkeypatch.setattr(engine, "_pause", pause)
+    monkeypatch.setattr(engine.adapter, "pause", pause)
 
 
 async def fake_call(url: str, route: str, body: dict | None = None) -> httpx.Response:
@@ -415,7 +419,7 @@ async def test_fake_sglang_server_refuses_a_flush_while_a_request_runs_and_count
 
 
 async def test_sglang_engine_against_fake_server_update_under_load_leaves_no_kv_of_the_old_weights(
-    engine: SglangEngine, fake: tuple[str, Scheduler], model_dir: Path, tmp_path: Path
+    engine: EngineController, fake: tuple[str, Scheduler], model_dir: Path, tmp_path: Path
 ):
     """Requests on a shared prefix in flight across an update: the flush empties SGLang's cache
     while they are retracted, so neither they nor a request admitted afterwards reuse KV of the
@@ -433,7 +437,7 @@ async def test_sglang_engine_against_fake_server_update_under_load_leaves_no_kv_
 
 
 async def test_sglang_engine_against_fake_server_refused_flush_fails_the_update_before_the_load(
-    engine: SglangEngine, fake: tuple[str, Scheduler], model_dir: Path, tmp_path: Path, monkeypatch
+    engine: EngineController, fake: tuple[str, Scheduler], model_dir: Path, tmp_path: Path, monkeypatch
 ):
     """A server paused in place keeps its running batch, so SGLang refuses the flush: the update
     fails naming it, before the load, and the old weights serve on with their own cache."""
@@ -452,7 +456,7 @@ async def test_sglang_engine_against_fake_server_refused_flush_fails_the_update_
 
 
 async def test_sglang_engine_against_fake_server_adopting_flushes_what_the_trainers_update_left_or_stays_paused(
-    engine: SglangEngine, fake: tuple[str, Scheduler], model_dir: Path, tmp_path: Path, monkeypatch
+    engine: EngineController, fake: tuple[str, Scheduler], model_dir: Path, tmp_path: Path, monkeypatch
 ):
     """The trainer's own update, on a server another client paused in place, loads but cannot
     flush. Adopting its version flushes while paused: refused (the batch still runs), the adopt
@@ -480,42 +484,42 @@ async def test_sglang_engine_against_fake_server_adopting_flushes_what_the_train
     assert engine.weight_version == 1 and scheduler.stale_cache_forwards == 0
 
 
-async def test_sglang_engine_against_fake_server_aborted_request_is_an_error(engine: SglangEngine):
+async def test_sglang_engine_against_fake_server_aborted_request_is_an_error(engine: EngineController):
     # Greedy and long (as the retract test above): still running when the abort comes, with no
     # sampled end-of-sequence to finish it first.
     running = asyncio.create_task(generate(engine, req([5, 6], max_tokens=300, temperature=0.0)))
     await asyncio.sleep(0.2)
     assert not running.done()
-    await engine._client.call("/pause_generation", PauseGenerationBody(mode="abort"))
+    await engine.adapter._client.call("/pause_generation", PauseGenerationBody(mode="abort"))
     with pytest.raises(SglangError, match="aborted the request"):
         await asyncio.wait_for(running, 30)
-    await engine._resume()
+    await engine.adapter.resume()
 
 
-async def test_sglang_engine_against_fake_server_rejects_out_of_range_prompts(engine: SglangEngine):
+async def test_sglang_engine_against_fake_server_rejects_out_of_range_prompts(engine: EngineController):
     with pytest.raises(ValueError, match="out of range"):
         await generate(engine, req([10**6]))
 
 
 async def test_sglang_engine_against_fake_server_unhealthy_after_a_lost_call_until_a_probe_answers(
-    engine: SglangEngine,
+    engine: EngineController,
 ):
     assert engine.healthy()
-    engine._client.unreachable = "ReadError: connection reset"  # as a failed call leaves it
+    engine.adapter._client.unreachable = "ReadError: connection reset"  # as a failed call leaves it
     assert not engine.healthy()
-    await asyncio.wait_for(engine._probe, 10)
+    await asyncio.wait_for(engine.adapter._probe, 10)
     assert engine.healthy()
 
 
 async def test_sglang_engine_against_fake_server_nsys_stop_already_done_is_read_from_the_server_log(
-    engine: SglangEngine,
+    engine: EngineController,
     spec,
 ):
     """tool nsys (CUDA_PROFILER) leaves no trace file: that SGLang stopped by itself after
     num_steps shows only in its log. The window is written down as a note for the step."""
     with pytest.raises(SglangError, match="HTTP 500"):  # nothing was recording, and the log does not say so
         await profiler(engine, spec(8, tool="nsys"))._engine_stop()
-    engine._client._log_tail = lambda: "RuntimeError: Profiling is not in progress. Call /start_profile first."
+    engine.adapter._client._log_tail = lambda: "RuntimeError: Profiling is not in progress. Call /start_profile first."
     recording = profiler(engine, spec(8, tool="nsys"))
     await recording._engine_stop()
     (note,) = recording.recorded_files()
@@ -526,7 +530,7 @@ async def test_sglang_engine_against_fake_server_nsys_stop_already_done_is_read_
 # -- sampling and streaming against the fake server --------------------------------------------
 
 
-async def test_sglang_engine_against_fake_server_streams_what_the_one_shot_answer_holds(engine: SglangEngine):
+async def test_sglang_engine_against_fake_server_streams_what_the_one_shot_answer_holds(engine: EngineController):
     one_shot = await generate(engine, req(max_tokens=8, temperature=0.0, logprobs=2))
     streamed = await generate(engine, req(max_tokens=8, temperature=0.0, logprobs=2, stream=True))
     assert len(one_shot.deltas) == 1 and len(streamed.deltas) == 8
@@ -540,7 +544,7 @@ async def test_sglang_engine_against_fake_server_streams_what_the_one_shot_answe
 
 
 async def test_sglang_engine_against_fake_server_reads_incremental_streaming_output_alike(
-    engine: SglangEngine, model_dir: Path, tmp_path: Path
+    engine: EngineController, model_dir: Path, tmp_path: Path
 ):
     """SGLang's --incremental-streaming-output sends only new tokens per chunk; the deltas are the
     same as from its default (every token so far)."""
@@ -554,7 +558,7 @@ async def test_sglang_engine_against_fake_server_reads_incremental_streaming_out
     assert incremental.deltas[0].prompt_logprobs == cumulative.deltas[0].prompt_logprobs
 
 
-async def test_sglang_engine_against_fake_server_seed_makes_sampling_repeatable(engine: SglangEngine):
+async def test_sglang_engine_against_fake_server_seed_makes_sampling_repeatable(engine: EngineController):
     sampling = {
         "max_tokens": 12,
         "temperature": 1.3,
@@ -572,7 +576,7 @@ async def test_sglang_engine_against_fake_server_seed_makes_sampling_repeatable(
     assert any(o != first.token_ids for o in others), "other seeds drew the same tokens"
 
 
-async def test_sglang_engine_against_fake_server_stop_token_ends_the_sequence_and_is_kept(engine: SglangEngine):
+async def test_sglang_engine_against_fake_server_stop_token_ends_the_sequence_and_is_kept(engine: EngineController):
     free = (await generate(engine, req(max_tokens=10, temperature=0.0))).token_ids
     i = next(i for i in range(1, len(free)) if free[i] not in free[:i])
     for stream in (False, True):
@@ -585,7 +589,7 @@ async def test_sglang_engine_against_fake_server_stop_token_ends_the_sequence_an
 
 
 async def test_sglang_engine_against_fake_server_eos_ends_unless_ignored(
-    engine: SglangEngine, fake: tuple[str, Scheduler]
+    engine: EngineController, fake: tuple[str, Scheduler]
 ):
     free = (await generate(engine, req(max_tokens=10, temperature=0.0))).token_ids
     i = next(i for i in range(1, len(free)) if free[i] not in free[:i])
@@ -596,21 +600,23 @@ async def test_sglang_engine_against_fake_server_eos_ends_unless_ignored(
     assert ignored.token_ids == free and ignored.finish_reason == "length"
 
 
-async def test_sglang_engine_against_fake_server_stop_string_is_matched_in_the_text(engine: SglangEngine):
+async def test_sglang_engine_against_fake_server_stop_string_is_matched_in_the_text(engine: EngineController):
     free = (await generate(engine, req(max_tokens=10, temperature=0.0))).token_ids
-    text = engine.detokenize(free)
+    text = engine.tokenizer.detokenize(free)
     stop = next(
-        piece for j in range(2, len(free)) if len(piece := engine.detokenize([free[j]]).strip()) >= 2 and piece in text
+        piece
+        for j in range(2, len(free))
+        if len(piece := engine.tokenizer.detokenize([free[j]]).strip()) >= 2 and piece in text
     )
     for stream in (False, True):
         stopped = await generate(engine, req(max_tokens=10, temperature=0.0, stop=[stop], stream=stream))
         assert stopped.finish_reason == "stop" and stopped.stop_reason == stop
-        out = engine.detokenize(stopped.token_ids)
-        assert stop in out and stop not in engine.detokenize(stopped.token_ids[:-1]), (stop, out)
+        out = engine.tokenizer.detokenize(stopped.token_ids)
+        assert stop in out and stop not in engine.tokenizer.detokenize(stopped.token_ids[:-1]), (stop, out)
         assert stopped.token_ids == free[: len(stopped.token_ids)]
 
 
-async def test_sglang_engine_against_fake_server_reports_prompt_logprobs_on_the_first_delta(engine: SglangEngine):
+async def test_sglang_engine_against_fake_server_reports_prompt_logprobs_on_the_first_delta(engine: EngineController):
     prompt = [5, 6, 7, 8, 9]
     result = await generate(
         engine, req(prompt, max_tokens=3, temperature=0.0, logprobs=1, prompt_logprobs=3, stream=True)
@@ -623,7 +629,7 @@ async def test_sglang_engine_against_fake_server_reports_prompt_logprobs_on_the_
 
 
 async def test_sglang_engine_against_fake_server_closing_the_stream_aborts_the_request(
-    engine: SglangEngine, fake: tuple[str, Scheduler]
+    engine: EngineController, fake: tuple[str, Scheduler]
 ):
     scheduler = fake[1]
     stream = engine.generate(req([5, 6], max_tokens=300, temperature=0.0, stream=True))
@@ -640,7 +646,7 @@ async def test_sglang_engine_against_fake_server_closing_the_stream_aborts_the_r
 
 
 async def test_sglang_engine_against_fake_server_stream_across_an_update_reports_both_versions_per_token(
-    engine: SglangEngine, model_dir: Path, tmp_path: Path
+    engine: EngineController, model_dir: Path, tmp_path: Path
 ):
     weights = perturbed_weights(model_dir, tmp_path / "v1.safetensors", 1)
     deltas = []
@@ -659,7 +665,7 @@ async def test_sglang_engine_against_fake_server_stream_across_an_update_reports
     assert (v0, s0, v1, e1) == (0, 0, 1, 60) and 10 <= e0 == s1 < 60
 
 
-async def test_sglang_engine_against_fake_server_refused_sampling_is_a_value_error(engine: SglangEngine):
+async def test_sglang_engine_against_fake_server_refused_sampling_is_a_value_error(engine: EngineController):
     for stream in (False, True):  # a 400, or in a stream SGLang's error event
         with pytest.raises(ValueError, match=r"repetition_penalty must be in \(0, 2\]"):
             await generate(engine, req(repetition_penalty=3.0, stream=stream))
@@ -992,7 +998,7 @@ dist.destroy_process_group(group)
 per process, so it cannot share this one with the in-process fake), formed as SGLang forms it."""
 
 
-async def move_by_distributed_update(engine: SglangEngine, weights: Path, version: str | None) -> None:
+async def move_by_distributed_update(engine: EngineController, weights: Path, version: str | None) -> None:
     """What a trainer does through the app's engine_rpc (docs/examples/byo_sglang_transfer.py)."""
     import subprocess
 
@@ -1026,7 +1032,7 @@ async def move_by_distributed_update(engine: SglangEngine, weights: Path, versio
 
 
 async def test_sglang_engine_against_fake_server_adopts_a_version_the_trainer_moved_by_sglangs_own_update(
-    engine: SglangEngine, fake: tuple[str, Scheduler], model_dir: Path, tmp_path: Path, spec
+    engine: EngineController, fake: tuple[str, Scheduler], model_dir: Path, tmp_path: Path, spec
 ):
     """A continuous window across the trainer's own transfer: SGLang's recording is split at the
     adopted version, as for a load from disk, and the fake holds the trainer's tensors."""
@@ -1052,7 +1058,7 @@ async def test_sglang_engine_against_fake_server_adopts_a_version_the_trainer_mo
 
 
 async def test_sglang_engine_against_fake_server_a_transfer_without_weight_version_is_not_adopted(
-    engine: SglangEngine, model_dir: Path, tmp_path: Path
+    engine: EngineController, model_dir: Path, tmp_path: Path
 ):
     await move_by_distributed_update(engine, perturbed_weights(model_dir, tmp_path / "v1.safetensors", 1), None)
     with pytest.raises(ValueError, match="the engine reports weight version 0, not 1"):
@@ -1060,7 +1066,7 @@ async def test_sglang_engine_against_fake_server_a_transfer_without_weight_versi
     assert engine.weight_version == 0
 
 
-async def test_sglang_engine_rpc_refusals_name_the_cause(engine: SglangEngine):
+async def test_sglang_engine_rpc_refusals_name_the_cause(engine: EngineController):
     with pytest.raises(ValueError, match=r"'update_weights_from_disk' is not allowed.*init_weights_update_group"):
         await engine.engine_rpc("update_weights_from_disk", model_path="/x")
     with pytest.raises(

@@ -12,12 +12,14 @@ import pytest
 from profiling.manifest import ManifestEntry
 from profiling.session import ProfileSession
 from serve_app.config import AppArgs
+from serve_app.engines.controller import EngineController
 from serve_app.engines.generation import GenerateDelta, GenerateRequest, SamplingSpec
 from serve_app.engines.transformers.engine import TransformersEngine
 
 
-def build(store, exporter, model_dir: Path, tmp_path: Path, max_batch_size: int = 16) -> TransformersEngine:
-    return TransformersEngine(
+def build(store, exporter, model_dir: Path, tmp_path: Path, max_batch_size: int = 16) -> EngineController:
+    return EngineController(
+        TransformersEngine,
         args=AppArgs(engine="transformers", transformers={"max_batch_size": max_batch_size}),
         model_dir=model_dir,
         session_factory=lambda backend_factory: ProfileSession(
@@ -31,7 +33,7 @@ def build(store, exporter, model_dir: Path, tmp_path: Path, max_batch_size: int 
 
 
 @pytest.fixture
-async def engine(store, exporter, model_dir, tmp_path) -> AsyncIterator[TransformersEngine]:
+async def engine(store, exporter, model_dir, tmp_path) -> AsyncIterator[EngineController]:
     e = build(store, exporter, model_dir, tmp_path)
     yield e
     await e.shutdown()
@@ -40,15 +42,15 @@ async def engine(store, exporter, model_dir, tmp_path) -> AsyncIterator[Transfor
 PROMPT = "The quick brown fox"
 
 
-def request(engine: TransformersEngine, stream: bool = True, **spec: object) -> GenerateRequest:
+def request(engine: EngineController, stream: bool = True, **spec: object) -> GenerateRequest:
     return GenerateRequest(
-        prompt_token_ids=engine.tokenize(PROMPT),
+        prompt_token_ids=engine.tokenizer.tokenize(PROMPT),
         sampling=SamplingSpec.model_validate({"max_tokens": 16, **spec}),
         stream=stream,
     )
 
 
-async def collect(engine: TransformersEngine, req: GenerateRequest) -> list[GenerateDelta]:
+async def collect(engine: EngineController, req: GenerateRequest) -> list[GenerateDelta]:
     return [d async for d in engine.generate(req)]
 
 
@@ -56,13 +58,13 @@ def tokens(deltas: list[GenerateDelta]) -> list[int]:
     return [t for d in deltas for t in d.token_ids]
 
 
-def forwards(engine: TransformersEngine) -> int:
+def forwards(engine: EngineController) -> int:
     return sum(engine.status().forward_steps_by_version.values())
 
 
 async def test_streamed_deltas_concatenate_to_the_one_delta_of_the_same_seeded_request(engine):
     spec = SamplingSpec(max_tokens=12, seed=7, logprobs=2, prompt_logprobs=1, ignore_eos=True)
-    prompt = engine.tokenize(PROMPT)
+    prompt = engine.tokenizer.tokenize(PROMPT)
     streamed = await collect(engine, GenerateRequest(prompt_token_ids=prompt, sampling=spec, stream=True))
     whole = await collect(engine, GenerateRequest(prompt_token_ids=prompt, sampling=spec, stream=False))
 
@@ -86,22 +88,24 @@ async def test_no_logprobs_unless_asked(engine):
     assert delta.logprobs == [] and delta.prompt_logprobs is None
 
 
-async def greedy_output(engine: TransformersEngine, n: int = 24) -> list[int]:
+async def greedy_output(engine: EngineController, n: int = 24) -> list[int]:
     deltas = await collect(engine, request(engine, stream=False, max_tokens=n, temperature=0, ignore_eos=True))
     return tokens(deltas)
 
 
 async def test_a_stop_string_ends_the_sequence_with_that_string(engine):
     free = await greedy_output(engine)
-    text = engine.detokenize(free)
+    text = engine.tokenizer.detokenize(free)
     # A short printable stop string that first appears a few tokens in.
-    start = next(i for i in range(len(engine.detokenize(free[:3])), len(text) - 2) if text[i : i + 2].isalnum())
+    start = next(
+        i for i in range(len(engine.tokenizer.detokenize(free[:3])), len(text) - 2) if text[i : i + 2].isalnum()
+    )
     stop = text[start : start + 2]
     deltas = await collect(engine, request(engine, max_tokens=24, temperature=0, ignore_eos=True, stop=[stop]))
     out = tokens(deltas)
     assert (deltas[-1].finish_reason, deltas[-1].stop_reason) == ("stop", stop)
     assert out == free[: len(out)]
-    assert stop in engine.detokenize(out) and stop not in engine.detokenize(out[:-1])
+    assert stop in engine.tokenizer.detokenize(out) and stop not in engine.tokenizer.detokenize(out[:-1])
 
 
 async def test_a_stop_token_ends_the_sequence_and_is_kept_unless_before_min_tokens(engine):

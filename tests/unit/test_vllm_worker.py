@@ -301,7 +301,7 @@ def weight_hooks(llm: StandInLlm) -> vllm_engine.VllmEngine:
 
 async def test_a_load_empties_the_prefix_cache_with_the_kept_requests_preempted_before_the_weights_change():
     llm = StandInLlm(True)
-    await weight_hooks(llm)._load_weights(vllm_engine.StagedInWorkers(), 3)
+    await weight_hooks(llm).load_weights(vllm_engine.StagedInWorkers(), 3)
     assert llm.calls == ["reset running=True connector=True", "rollout_weights_load_staged", "version 3"]
 
 
@@ -312,7 +312,7 @@ async def test_a_load_empties_the_prefix_cache_with_the_kept_requests_preempted_
 async def test_a_refused_reset_fails_the_load_before_the_weights_change(answer, named):
     llm = StandInLlm(answer)
     with pytest.raises(RuntimeError, match=named):
-        await weight_hooks(llm)._load_weights(vllm_engine.StagedInWorkers(), 3)
+        await weight_hooks(llm).load_weights(vllm_engine.StagedInWorkers(), 3)
     assert llm.calls == ["reset running=True connector=True"], "the old weights serve on, with their own cache"
 
 
@@ -320,12 +320,12 @@ async def test_an_adopted_version_whose_reset_fails_does_not_resume_until_a_rese
     llm = StandInLlm(RuntimeError("blocks in use"), False, True)
     engine = weight_hooks(llm)
     with pytest.raises(RuntimeError, match="blocks in use"):
-        await engine._adopted(4)
+        await engine.adopted(4)
     with pytest.raises(RuntimeError, match="KV connector refused"):
-        await engine._resume()
+        await engine.resume()
     assert "resume" not in llm.calls, "generation resumed next to the old weights' cache"
-    await engine._resume()
-    await engine._resume()  # reset once: the cache is clean now
+    await engine.resume()
+    await engine.resume()  # reset once: the cache is clean now
     assert llm.calls[-3:] == ["reset running=True connector=True", "resume", "resume"]
 
 

@@ -53,7 +53,7 @@ from profiling.session import SessionSpec
 from profiling.step_ranges import count_engine_steps
 from profiling.store import atomic_write_text
 from serve_app.config import AppArgs
-from serve_app.engines.base import RolloutEngine
+from serve_app.engines.adapter import EngineAdapter
 from serve_app.engines.engine_profiler import EngineProfiler, EngineTrace
 from serve_app.engines.generation import GenerateDelta, GenerateRequest, TokenLogprobs
 from serve_app.engines.sglang.client import (
@@ -418,16 +418,16 @@ def _chunk(event: dict[str, Any], url: str) -> GenerateChunk:
         ) from e
 
 
-class SglangEngine(RolloutEngine[Path]):
-    def _open(self, args: AppArgs, model_dir: Path) -> None:
+class SglangEngine(EngineAdapter):
+    def open(self, args: AppArgs, model_dir: Path) -> None:
         opts = args.sglang
-        self.trace_dir.mkdir(parents=True, exist_ok=True)
+        self.host.trace_dir.mkdir(parents=True, exist_ok=True)
         self._server: SglangServer | None = None
         if opts.url:
             url = opts.url.rstrip("/")
             wait_ready(url, opts.startup_timeout_s)
         else:
-            log_path = self.trace_dir.with_name(f"{self.trace_dir.name}.sglang-server.log")
+            log_path = self.host.trace_dir.with_name(f"{self.host.trace_dir.name}.sglang-server.log")
             self._server = SglangServer(opts.server_command, opts.server_args, model_dir, log_path)
             url = self._server.url
             try:
@@ -443,7 +443,7 @@ class SglangEngine(RolloutEngine[Path]):
         # SGLang's cache holds KV of weights no longer served (an adopted version's flush was refused).
         self._stale_cache = False
 
-    async def _stream(self, request: GenerateRequest) -> AsyncGenerator[GenerateDelta, None]:
+    async def stream(self, request: GenerateRequest) -> AsyncGenerator[GenerateDelta, None]:
         body = generate_body(request)
         reader = ChunkReader(request, self._client.url)
         try:
@@ -461,17 +461,21 @@ class SglangEngine(RolloutEngine[Path]):
         if not reader.finished:
             raise SglangError(f"SGLang at {self._client.url} ended the /generate stream before the sequence finished")
 
-    def _profiler(self, spec: SessionSpec) -> ProfilerBackend:
-        assert self._loop is not None, "the session starts a recording only from start_profile"
+    def profiler(self, spec: SessionSpec) -> ProfilerBackend:
+        assert self.host.loop is not None, "the session starts a recording only from start_profile"
         self._recording = SglangProfiler(
-            spec, client=self._client, trace_dir=self.trace_dir, loop=self._loop, version=self.weight_version
+            spec,
+            client=self._client,
+            trace_dir=self.host.trace_dir,
+            loop=self.host.loop,
+            version=self.host.weight_version,
         )
         return self._recording
 
-    async def _pause(self) -> None:
+    async def pause(self) -> None:
         await self._client.call("/pause_generation", PauseGenerationBody(mode="retract"))
 
-    async def _resume(self) -> None:
+    async def resume(self) -> None:
         if self._stale_cache:  # an adopted version's flush was refused: no batch runs on that cache
             await self._flush_cache("before generation resumes on the weights the trainer moved (it stays paused)")
         await self._client.call("/continue_generation", ContinueGenerationBody())
@@ -492,10 +496,10 @@ class SglangEngine(RolloutEngine[Path]):
             )
         self._stale_cache = False
 
-    async def _read_weights(self, path: Path) -> Path:
+    async def read_weights(self, path: Path) -> Path:
         return path
 
-    async def _load_weights(self, weights: Path, version: int) -> None:
+    async def load_weights(self, weights: Path, version: int) -> None:
         recording = self._recording
         if recording is not None and recording.recording:  # a window spanning versions
             await recording.split(lambda: self._load(weights, version), version)
@@ -506,9 +510,9 @@ class SglangEngine(RolloutEngine[Path]):
         # Before the load: paused, no batch computes KV in between, and a refusal leaves the old
         # weights serving with their own cache (SGLang's flush after it would fail the update
         # with the new weights loaded).
-        await self._flush_cache(f"before loading version {version} (version {self.weight_version} serves on)")
+        await self._flush_cache(f"before loading version {version} (version {self.host.weight_version} serves on)")
         staged = stage_weights(
-            weights, self.trace_dir.with_name(f"{self.trace_dir.name}.weights")
+            weights, self.host.trace_dir.with_name(f"{self.host.trace_dir.name}.weights")
         )  # SGLang loads a directory
         body = UpdateWeightsFromDiskBody(model_path=str(staged), weight_version=str(version))
         answer = await self._client.call_for(
@@ -519,11 +523,11 @@ class SglangEngine(RolloutEngine[Path]):
                 f"SGLang at {self._client.url} did not load {weights} as version {version}: {answer.message}"
             )
 
-    async def _reported_version(self) -> int | None:
+    async def reported_version(self) -> int | None:
         info = await self._client.get_for("/model_info", ModelInfoAnswer)
         return None if info.weight_version is None else _version(info.weight_version)
 
-    async def _adopted(self, version: int) -> None:
+    async def adopted(self, version: int) -> None:
         """The trainer loaded `version` through SGLang's own update: a continuous window's
         recording is split at the version, as for a load from disk, and SGLang's cache is flushed
         again (that update's own flush may have been refused); while it is refused, generation
@@ -534,7 +538,7 @@ class SglangEngine(RolloutEngine[Path]):
         self._stale_cache = True
         await self._flush_cache(f"after the trainer's update to version {version} (generation stays paused)")
 
-    async def _engine_rpc(self, method: str, *args: object, **kwargs: object) -> object:
+    async def engine_rpc(self, method: str, *args: object, **kwargs: object) -> object:
         """One of SGLang's weight routes (`ENGINE_RPC_ROUTES`); SGLang's answer, or SglangError
         with its message when it did not succeed."""
         body = rpc_body(method, args, kwargs)
@@ -550,7 +554,7 @@ class SglangEngine(RolloutEngine[Path]):
             )
         return resp.json()
 
-    def _healthy(self) -> bool:
+    def healthy(self) -> bool:
         """False once the launched server has exited, or while the last call could not reach the
         server; a probe then runs so that the next check sees whether it answers again."""
         if self._server is not None and not self._server.alive():
@@ -561,7 +565,7 @@ class SglangEngine(RolloutEngine[Path]):
             self._probe = asyncio.ensure_future(self._client.probe())
         return False
 
-    async def _close(self) -> None:
+    async def close(self) -> None:
         await self._client.aclose()
         if self._server is not None:
             await asyncio.to_thread(self._server.terminate)

@@ -33,7 +33,7 @@ from transformers.cache_utils import DynamicCache
 from profiling.backends.base import ProfilerBackend
 from profiling.session import SessionSpec, in_process_backend
 from serve_app.config import AppArgs
-from serve_app.engines.base import PassCounts, RolloutEngine
+from serve_app.engines.adapter import EngineAdapter, PassCounts
 from serve_app.engines.generation import GenerateDelta, GenerateRequest, TokenLogprobs
 from serve_app.engines.transformers.sampler import Finish, Sampled, SequenceSampler, prompt_logprobs, sample_batch
 from serve_app.weights import collective as weight_wire
@@ -99,17 +99,19 @@ class _Batch:
     """This forward pass keeps the logits of every position (a prefill asked for prompt logprobs)."""
 
 
-class TransformersEngine(RolloutEngine[StateDict]):
+class TransformersEngine(EngineAdapter):
     """The embedded engine: forward passes on the control thread, profiled in process."""
 
     steps_on_control_thread = True
 
-    def _open(self, args: AppArgs, model_dir: Path) -> None:
+    def open(self, args: AppArgs, model_dir: Path) -> None:
         torch.set_num_threads(1)  # replicas share few cores; one intra-op thread each
         self._max_batch = args.transformers.max_batch_size
         self._model = LlamaForCausalLM.from_pretrained(model_dir).eval()
-        self._eos = self._tokenizer.eos_token_id
-        self._pad = self._tokenizer.pad_token_id
+        self.host.tokenizer.vocab_size = int(self._model.config.vocab_size)
+        self._eos = self.host.tokenizer.eos_token_id
+        # Pads only positions the attention mask hides: any id does where the tokenizer has none.
+        self._pad = self.host.tokenizer.pad_token_id or 0
         params = inspect.signature(self._model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._forwards_by_version: dict[int, int] = {}
@@ -120,19 +122,15 @@ class TransformersEngine(RolloutEngine[StateDict]):
         self._staged: StateDict | None = None
         """Weights a collective transfer delivered, until they load or the transfer is dropped."""
 
-    @property
-    def vocab_size(self) -> int:
-        return int(self._model.config.vocab_size)
-
     # -- generation --------------------------------------------------------------------------
-    async def _stream(self, request: GenerateRequest) -> AsyncGenerator[GenerateDelta, None]:
+    async def stream(self, request: GenerateRequest) -> AsyncGenerator[GenerateDelta, None]:
         """Deltas of one sequence: one per engine step with `request.stream`, else one per run of
         one weight version, all sent when the sequence ends."""
-        sampler = SequenceSampler(request.sampling, request.prompt_token_ids, self._eos, self.vocab_size)
+        sampler = SequenceSampler(request.sampling, request.prompt_token_ids, self._eos, self.host.tokenizer.vocab_size)
         seq = _Sequence(request, sampler, asyncio.get_running_loop(), asyncio.Queue())
         with self._pending_lock:
             self._pending.append(seq)
-        self._thread.wake()
+        self.host.thread.wake()
         try:
             while True:
                 item = await seq.channel.get()
@@ -147,9 +145,9 @@ class TransformersEngine(RolloutEngine[StateDict]):
                 seq.aborted = True
                 with self._pending_lock, contextlib.suppress(ValueError):
                     self._pending.remove(seq)
-                self._thread.wake()
+                self.host.thread.wake()
 
-    def _engine_step(self) -> bool:
+    def engine_step(self) -> bool:
         """Control thread: one forward pass of the current batch, or the prefill of a new one."""
         if self._batch is not None:
             self._batch = self._without_ended(self._batch)
@@ -164,7 +162,7 @@ class TransformersEngine(RolloutEngine[StateDict]):
             self._batch = self._prefill_inputs(seqs)
         batch = self._batch
         try:
-            with self._session.forward_step(self.weight_version), torch.inference_mode():
+            with self.host.session.forward_step(self.host.weight_version), torch.inference_mode():
                 out = self._model(
                     input_ids=batch.next_input,
                     attention_mask=batch.attention_mask,
@@ -173,7 +171,7 @@ class TransformersEngine(RolloutEngine[StateDict]):
                     logits_to_keep=0 if batch.all_logits else 1,
                     **{self._cache_kw: batch.cache},
                 )
-            v = self.weight_version
+            v = self.host.weight_version
             self._forwards_by_version[v] = self._forwards_by_version.get(v, 0) + 1
             self._advance(batch, out.logits, v)
         except Exception as e:
@@ -220,7 +218,7 @@ class TransformersEngine(RolloutEngine[StateDict]):
                 next_ids.append(self._pad)
                 continue
             # The text stop strings are matched in is the replica's: the tokenizer's `detokenize`.
-            finish = s.sampler.append(sampled.token_id, self.detokenize)
+            finish = s.sampler.append(sampled.token_id, self.host.tokenizer.detokenize)
             if (deltas := s.delta(sampled, version, finish)) is not None:
                 outbox.append((s, deltas))
             next_ids.append(sampled.token_id)
@@ -265,30 +263,30 @@ class TransformersEngine(RolloutEngine[StateDict]):
                     s.aborted = True
 
     # -- profiling and weights ------------------------------------------------------------------
-    def _profiler(self, spec: SessionSpec) -> ProfilerBackend:
+    def profiler(self, spec: SessionSpec) -> ProfilerBackend:
         return in_process_backend(spec)
 
-    async def _pause(self) -> None:
-        self._thread.admit(False)
+    async def pause(self) -> None:
+        self.host.thread.admit(False)
 
-    async def _resume(self) -> None:
-        self._thread.admit(True)
+    async def resume(self) -> None:
+        self.host.thread.admit(True)
 
-    async def _read_weights(self, path: Path) -> StateDict:
+    async def read_weights(self, path: Path) -> StateDict:
         # On a thread of its own: the control thread may be finalizing the stop's recording.
         return await asyncio.wrap_future(self._reader.submit(read_state_dict, path))
 
-    async def _load_weights(self, weights: StateDict, version: int) -> None:
+    async def load_weights(self, weights: StateDict, version: int) -> None:
         def load() -> None:
-            self._check_state(weights)
-            self._session.mark_weight_update(version, lambda: self._model.load_state_dict(weights, strict=True))
+            _check_state(self._model, weights)
+            self.host.session.mark_weight_update(version, lambda: self._model.load_state_dict(weights, strict=True))
 
-        await self._on_thread(load)
+        await self.host.on_thread(load)
 
-    async def _receive_weights(
+    async def receive_weights(
         self, transfer: CollectiveTransfer, first_rank: int, world_size: int, timeout_s: float
     ) -> None:
-        self._check_transfer(transfer)
+        _check_transfer(self._model, transfer)
 
         def receive() -> StateDict:
             store = weight_wire.connect_store(transfer.address, transfer.port, timeout_s)
@@ -299,54 +297,25 @@ class TransformersEngine(RolloutEngine[StateDict]):
         # On a thread of its own, like reading a path: the control thread keeps generating.
         self._staged = await asyncio.to_thread(receive)
 
-    def _check_transfer(self, transfer: CollectiveTransfer) -> None:
-        """The tensors on offer must be the served model's, name for name (before joining the
-        group, so a mismatch costs no bytes)."""
-        own = {k: weight_wire.meta_of(k, v) for k, v in self._model.state_dict().items()}
-        offered = {t.name: t for t in transfer.tensors}
-        missing = sorted(own.keys() - offered.keys())
-        unexpected = sorted(offered.keys() - own.keys())
-        wrong = sorted(
-            f"{k} ({offered[k].dtype} {offered[k].shape}, served {own[k].dtype} {own[k].shape})"
-            for k in own.keys() & offered.keys()
-            if offered[k] != own[k]
-        )
-        if missing or unexpected or wrong:
-            raise WeightsError(
-                "the transfer's tensors do not fit the served model: "
-                f"missing {missing[:3]}, unexpected {unexpected[:3]}, wrong dtype or shape {wrong[:3]}"
-            )
-
-    async def _staged_weights(self) -> StateDict:
+    async def staged_weights(self) -> StateDict:
         if self._staged is None:
             raise WeightsError("no weights are staged: the collective transfer did not reach this replica")
         return self._staged
 
-    async def _drop_staged(self) -> None:
+    async def drop_staged(self) -> None:
         self._staged = None
 
-    async def _weights_snapshot(self) -> StateDict:
+    async def weights_snapshot(self) -> StateDict:
         # On the control thread: no load swaps the weights halfway through the copy.
-        return await self._on_thread(lambda: {k: v.detach().clone() for k, v in self._model.state_dict().items()})
+        return await self.host.on_thread(lambda: {k: v.detach().clone() for k, v in self._model.state_dict().items()})
 
-    def _check_state(self, state: StateDict) -> None:
-        own = self._model.state_dict()
-        missing = sorted(set(own) - set(state))
-        unexpected = sorted(set(state) - set(own))
-        wrong = [k for k in own.keys() & state.keys() if own[k].shape != state[k].shape]
-        if missing or unexpected or wrong:
-            raise WeightsError(
-                "weights do not fit the served model: "
-                f"missing {missing[:3]}, unexpected {unexpected[:3]}, wrong shape {wrong[:3]}"
-            )
+    def pass_counts(self) -> PassCounts:
+        return PassCounts(run=dict(self._forwards_by_version), recorded=self.host.session.recorded_by_version())
 
-    def _pass_counts(self) -> PassCounts:
-        return PassCounts(run=dict(self._forwards_by_version), recorded=self._session.recorded_by_version())
-
-    def _healthy(self) -> bool:
+    def healthy(self) -> bool:
         return True
 
-    async def _close(self) -> None:
+    async def close(self) -> None:
         # The control thread has stopped: fail what it will never generate.
         with self._pending_lock:
             waiting = [*self._pending, *(self._batch.seqs if self._batch else [])]
@@ -360,3 +329,34 @@ def _deliver(items: list[tuple[_Sequence, _Item]]) -> None:
     """On a sequence's event loop: queue its items for its consumer."""
     for s, item in items:
         s.channel.put_nowait(item)
+
+
+def _check_transfer(model: LlamaForCausalLM, transfer: CollectiveTransfer) -> None:
+    """The tensors on offer must be the served model's, name for name (before joining the
+    group, so a mismatch costs no bytes)."""
+    own = {k: weight_wire.meta_of(k, v) for k, v in model.state_dict().items()}
+    offered = {t.name: t for t in transfer.tensors}
+    missing = sorted(own.keys() - offered.keys())
+    unexpected = sorted(offered.keys() - own.keys())
+    wrong = sorted(
+        f"{k} ({offered[k].dtype} {offered[k].shape}, served {own[k].dtype} {own[k].shape})"
+        for k in own.keys() & offered.keys()
+        if offered[k] != own[k]
+    )
+    if missing or unexpected or wrong:
+        raise WeightsError(
+            "the transfer's tensors do not fit the served model: "
+            f"missing {missing[:3]}, unexpected {unexpected[:3]}, wrong dtype or shape {wrong[:3]}"
+        )
+
+
+def _check_state(model: LlamaForCausalLM, state: StateDict) -> None:
+    own = model.state_dict()
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    wrong = [k for k in own.keys() & state.keys() if own[k].shape != state[k].shape]
+    if missing or unexpected or wrong:
+        raise WeightsError(
+            "weights do not fit the served model: "
+            f"missing {missing[:3]}, unexpected {unexpected[:3]}, wrong shape {wrong[:3]}"
+        )

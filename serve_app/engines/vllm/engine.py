@@ -41,7 +41,7 @@ from profiling.backends.torch_profiler import TRACE_FILE
 from profiling.manifest import ClockSample
 from profiling.session import SessionSpec
 from serve_app.config import AppArgs
-from serve_app.engines.base import PassCounts, RolloutEngine
+from serve_app.engines.adapter import EngineAdapter, PassCounts
 from serve_app.engines.engine_profiler import EngineProfiler
 from serve_app.engines.generation import GenerateDelta, GenerateRequest, SamplingSpec, TokenLogprobs
 from serve_app.engines.vllm.worker import EXTENSION, WorkerExport, WorkerStop, export_record
@@ -336,8 +336,8 @@ def _rpc_call(
     return tuple(args_l), kwargs
 
 
-class VllmEngine(RolloutEngine[Path | StagedInWorkers]):
-    def _open(self, args: AppArgs, model_dir: Path) -> None:
+class VllmEngine(EngineAdapter):
+    def open(self, args: AppArgs, model_dir: Path) -> None:
         try:
             from vllm import AsyncEngineArgs
             from vllm.config import ProfilerConfig
@@ -354,8 +354,8 @@ class VllmEngine(RolloutEngine[Path | StagedInWorkers]):
                 "args.vllm.engine_args sets worker_extension_cls: the replica installs its own "
                 "profiling extension there; remove it"
             )
-        self.context_length = opts.max_model_len
-        self.trace_dir.mkdir(parents=True, exist_ok=True)
+        self.host.context_length = opts.max_model_len
+        self.host.trace_dir.mkdir(parents=True, exist_ok=True)
         # tool nsys: vLLM's CUDA profiler; tool torch: the extension's, so vLLM's stays off.
         profiler = ProfilerConfig(profiler="cuda") if args.profiler.tool == "nsys" else ProfilerConfig()
         self._llm = AsyncLLM.from_engine_args(
@@ -378,10 +378,10 @@ class VllmEngine(RolloutEngine[Path | StagedInWorkers]):
         # The prefix cache holds KV of weights no longer served (an adopted version's reset failed).
         self._stale_cache = False
 
-    async def _opened(self) -> None:
-        await self._llm.collective_rpc("rollout_profiler_attach", args=(self.weight_version,))
+    async def opened(self) -> None:
+        await self._llm.collective_rpc("rollout_profiler_attach", args=(self.host.weight_version,))
 
-    async def _stream(self, request: GenerateRequest) -> AsyncGenerator[GenerateDelta, None]:
+    async def stream(self, request: GenerateRequest) -> AsyncGenerator[GenerateDelta, None]:
         from vllm.exceptions import VLLMClientError
         from vllm.inputs import TokensPrompt
 
@@ -403,7 +403,7 @@ class VllmEngine(RolloutEngine[Path | StagedInWorkers]):
                         token_ids=list(choice.token_ids),
                         logprobs=[] if spec.logprobs is None else _token_logprobs(choice.logprobs, spec.logprobs),
                         # Best knowledge while streaming; the last delta has vLLM's exact spans.
-                        weight_version=self.weight_version,
+                        weight_version=self.host.weight_version,
                     )
                     if first and spec.prompt_logprobs is not None:
                         delta.prompt_logprobs = _prompt_logprobs(out.prompt_logprobs, spec.prompt_logprobs)
@@ -414,16 +414,16 @@ class VllmEngine(RolloutEngine[Path | StagedInWorkers]):
             except VLLMClientError as e:  # vLLM refused the request itself (e.g. too many logprobs)
                 raise ValueError(f"vLLM refused the request: {e}") from e
 
-    def _profiler(self, spec: SessionSpec) -> ProfilerBackend:
-        assert self._loop is not None, "the session starts a recording only from start_profile"
+    def profiler(self, spec: SessionSpec) -> ProfilerBackend:
+        assert self.host.loop is not None, "the session starts a recording only from start_profile"
         kind = VllmCudaProfiler if spec.options.tool == "nsys" else VllmWorkerProfiler
-        return kind(spec, llm=self._llm, trace_dir=self.trace_dir, loop=self._loop)
+        return kind(spec, llm=self._llm, trace_dir=self.host.trace_dir, loop=self.host.loop)
 
-    async def _pause(self) -> None:
+    async def pause(self) -> None:
         # "keep": freeze in-flight requests in the queue; they continue after resume.
         await self._llm.pause_generation(mode="keep", clear_cache=False)
 
-    async def _resume(self) -> None:
+    async def resume(self) -> None:
         if self._stale_cache:  # an adopted version's reset failed: no step runs on that cache
             await self._reset_prefix_cache()
         await self._llm.resume_generation()
@@ -448,17 +448,17 @@ class VllmEngine(RolloutEngine[Path | StagedInWorkers]):
             )
         self._stale_cache = False
 
-    async def _read_weights(self, path: Path) -> Path:
+    async def read_weights(self, path: Path) -> Path:
         return path
 
-    async def _load_weights(self, weights: Path | StagedInWorkers, version: int) -> None:
+    async def load_weights(self, weights: Path | StagedInWorkers, version: int) -> None:
         # Before the load: paused, no step computes KV in between, and a failed reset leaves the
         # old weights serving with their own cache.
         await self._reset_prefix_cache()
         if isinstance(weights, StagedInWorkers):
             (loaded, *_) = await self._llm.collective_rpc("rollout_weights_load_staged", args=(version,))
         else:
-            staged = stage_weights(weights, self.trace_dir.with_name(f"{self.trace_dir.name}.weights"))
+            staged = stage_weights(weights, self.host.trace_dir.with_name(f"{self.host.trace_dir.name}.weights"))
             (loaded, *_) = await self._llm.collective_rpc(
                 "rollout_profiler_load_weights", kwargs={"weights_path": str(staged), "version": version}
             )
@@ -472,7 +472,7 @@ class VllmEngine(RolloutEngine[Path | StagedInWorkers]):
         parallel = self._llm.vllm_config.parallel_config
         return parallel.tensor_parallel_size * parallel.pipeline_parallel_size
 
-    async def _receive_weights(
+    async def receive_weights(
         self, transfer: CollectiveTransfer, first_rank: int, world_size: int, timeout_s: float
     ) -> None:
         if self._llm.vllm_config.parallel_config.data_parallel_size > 1:
@@ -491,13 +491,13 @@ class VllmEngine(RolloutEngine[Path | StagedInWorkers]):
             },
         )
 
-    async def _staged_weights(self) -> StagedInWorkers:
+    async def staged_weights(self) -> StagedInWorkers:
         return StagedInWorkers()
 
-    async def _drop_staged(self) -> None:
+    async def drop_staged(self) -> None:
         await self._llm.collective_rpc("rollout_weights_drop")
 
-    async def _adopted(self, version: int) -> None:
+    async def adopted(self, version: int) -> None:
         """The trainer moved `version`'s weights itself and vLLM reports it: the workers' markers
         and counts take it on, and no cached prefix computed on the old weights is reused (while
         the reset fails, generation stays paused: `_resume` retries it)."""
@@ -506,7 +506,7 @@ class VllmEngine(RolloutEngine[Path | StagedInWorkers]):
         self._stale_cache = True  # the new weights serve already, next to the old weights' cache
         await self._reset_prefix_cache()
 
-    async def _weights_snapshot(self) -> StateDict:
+    async def weights_snapshot(self) -> StateDict:
         from safetensors.torch import load
 
         if self.transfer_ranks != 1:
@@ -517,10 +517,10 @@ class VllmEngine(RolloutEngine[Path | StagedInWorkers]):
         (data, *_) = await self._llm.collective_rpc("rollout_weights_snapshot")
         return load(data)
 
-    async def _reported_version(self) -> int | None:
+    async def reported_version(self) -> int | None:
         return _version(await self._llm.get_weight_version())
 
-    async def _engine_rpc(self, method: str, *args: object, **kwargs: object) -> object:
+    async def engine_rpc(self, method: str, *args: object, **kwargs: object) -> object:
         if method not in ENGINE_RPC_METHODS:
             raise ValueError(
                 f"engine RPC {method!r} is not allowed; a trainer may call these of vLLM's AsyncLLM: "
@@ -529,13 +529,13 @@ class VllmEngine(RolloutEngine[Path | StagedInWorkers]):
         call_args, call_kwargs = _rpc_call(method, args, kwargs)
         return await getattr(self._llm, method)(*call_args, **call_kwargs)
 
-    def _pass_counts(self) -> PassCounts | None:
+    def pass_counts(self) -> PassCounts | None:
         # The workers' counts as of the last weight load (they count in another process): exact
         # for the version that load replaced, which is what the replica reads them for.
         return self._passes
 
-    def _healthy(self) -> bool:
+    def healthy(self) -> bool:
         return not self._llm.errored
 
-    async def _close(self) -> None:
+    async def close(self) -> None:
         self._llm.shutdown()
