@@ -8,13 +8,14 @@ so no two processes ever write the same file concurrently.
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from profiling.config import ProfileOptions
 from profiling.markers import FORWARD_STEP
 from profiling.step_stats import RequestStats, Staleness
+from profiling.weight_source import WeightSource, read_old_spelling
 
 Role = Literal["rollout", "trainer"]
 ManifestStatus = Literal["recording", "exporting", "complete", "partial"]
@@ -22,12 +23,16 @@ AutoStop = Literal["max_forward_steps", "max_duration_s", "max_trace_mb"]
 """Why a window stopped recording before its stop."""
 
 
-Transfer = Literal["file", "object_store", "collective", "external"]
-"""How a sync's weights reached the replicas (docs/trainer.md#several-ranks lists the modes):
-file: a safetensors path through POST /weights/update; object_store: a state dict through Ray's
-object store (InClusterWeights); collective: a state dict broadcast to the replicas over a
-process group (CollectiveWeights); external: the trainer's own transfer (`ExternalPublisher`), the app
-told the version afterwards."""
+Transfer = Annotated[
+    Literal[WeightSource.PATH, WeightSource.OBJECT_STORE, WeightSource.COLLECTIVE, WeightSource.EXTERNAL],
+    BeforeValidator(read_old_spelling),
+]
+"""How a sync's weights reached the replicas (docs/trainer.md#several-ranks lists the modes), in
+the words of `WeightSource`: path, a safetensors path through POST /weights/update (`file` in
+manifests written before, read as path); object_store, a state dict through Ray's object store
+(InClusterWeights); collective, a state dict broadcast to the replicas over a process group
+(CollectiveWeights); external, the trainer's own transfer (`ExternalPublisher`), the app told
+the version afterwards."""
 
 
 class SyncCost(BaseModel):
@@ -230,9 +235,7 @@ class SessionRecord(BaseModel):
     started_at: float
     stopped_at: float | None = None
     replicas: list[str] = Field(default_factory=list, description="Replicas that started it.")
-    failures: dict[str, str] = Field(
-        default_factory=dict, description="replica_id -> why it has no (complete) trace."
-    )
+    failures: dict[str, str] = Field(default_factory=dict, description="replica_id -> why it has no (complete) trace.")
     auto_stopped: str | None = None
     clock_offsets: dict[str, ClockOffset] = Field(
         default_factory=dict, description="replica_id -> its wall clock against the controller's."
@@ -337,9 +340,7 @@ class StepManifest(BaseModel):
                 known = by_key.get(f"rollout/{rid}")
                 if known is None or known.exporting:
                     base = known or ManifestEntry(role="rollout", replica_id=rid)
-                    by_key[base.key] = base.model_copy(
-                        update={"status": "error", "exporting": False, "error": why}
-                    )
+                    by_key[base.key] = base.model_copy(update={"status": "error", "exporting": False, "error": why})
         if session is not None:  # the controller measured the replicas' clocks
             for rid, offset in session.clock_offsets.items():
                 known = by_key.get(f"rollout/{rid}")

@@ -14,6 +14,7 @@ from pydantic import BaseModel, Field, model_validator
 
 from profiling.config import MAX_STEP, Activity, SafeName, StepNumber, StrictModel, Tool
 from profiling.manifest import ManifestStatus
+from profiling.weight_source import WeightSource
 from serve_app.weights.buckets import plan_buckets
 from serve_app.weights.collective_schema import CollectiveTransfer
 
@@ -53,14 +54,14 @@ class StopProfileRequest(StrictModel):
     )
 
 
-WeightsSource = Literal["path", "collective", "external"]
-"""How a version's weights reach the replicas (docs/design.md#weight-transfer)."""
+WeightsSource = Literal[WeightSource.PATH, WeightSource.COLLECTIVE, WeightSource.EXTERNAL]
+"""How a version's weights reach the replicas over HTTP (docs/design.md#weight-transfer)."""
 
 
 class UpdateWeightsRequest(StrictModel):
     version: int = Field(ge=0, le=MAX_STEP, description="Parameter version; must not decrease.")
     source: WeightsSource = Field(
-        "path",
+        WeightSource.PATH,
         description="path: the replicas read `path`. collective: the trainer's publishing rank broadcasts "
         "the tensors to every replica (`collective`; the app needs weight_transfer: collective). external: "
         "the trainer already moved the weights itself; every replica must report `version`.",
@@ -79,7 +80,7 @@ class UpdateWeightsRequest(StrictModel):
     def _one_source(self) -> UpdateWeightsRequest:
         """Exactly the field its source needs, and no other."""
         given = {"path": self.path is not None, "collective": self.collective is not None}
-        needed = {"path": self.source == "path", "collective": self.source == "collective"}
+        needed = {"path": self.source == WeightSource.PATH, "collective": self.source == WeightSource.COLLECTIVE}
         for name in given:
             if needed[name] and not given[name]:
                 raise ValueError(f"source {self.source!r} needs `{name}`")

@@ -8,16 +8,22 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import Field, ValidationInfo, ValidatorFunctionWrapHandler, field_validator, model_validator
+from pydantic import (
+    BeforeValidator,
+    Field,
+    ValidationInfo,
+    ValidatorFunctionWrapHandler,
+    create_model,
+    field_validator,
+    model_validator,
+)
 
 from profiling.config import ProfileOptions, StrictModel
+from profiling.weight_source import WeightSource, read_old_spelling
 from serve_app.engines.options import Capability, EngineOptions
-from serve_app.engines.registry import ENGINE_OPTIONS, EngineName
-from serve_app.engines.sglang.options import SglangOptions
-from serve_app.engines.transformers.options import TransformersOptions
-from serve_app.engines.vllm.options import VllmOptions
+from serve_app.engines.registry import DEFAULT_ENGINE, ENGINE_OPTIONS, EngineName
 from serve_app.limits import RequestLimits, StartLimits
 from serve_app.net import is_loopback
 from serve_app.tiny_model import TinyModelSpec
@@ -35,11 +41,12 @@ class ListenerOptions(StrictModel):
     """Its TCP port (the app's HTTP port is Serve's, http_options.port)."""
 
 
-class AppArgs(StrictModel):
-    """Field docstrings are the fields' documentation (docs/configuration.md is generated from them)."""
+class _AppArgs(StrictModel):
+    """The app's keys but the engines' blocks, which `AppArgs` adds from the registry."""
 
-    engine: EngineName = "transformers"
-    """The engine each replica runs: transformers (embedded, on CPU), vllm or sglang."""
+    engine: EngineName = DEFAULT_ENGINE
+    """The engine each replica runs, by its `engine:` value (docs/engines.md lists them); by
+    default the embedded one, which runs on CPU."""
     num_replicas: int = Field(2, ge=1)
     """Rollout replicas (Serve replicas of RolloutReplica), each with its own engine."""
     num_ingress_replicas: int = Field(1, ge=1)
@@ -72,11 +79,13 @@ class AppArgs(StrictModel):
     """Merge each complete or partial step into merged.trace.json.gz in the background."""
     weights_dir: str = "/tmp/rollout-profiler/weights"
     """/weights/update may only read paths inside this directory."""
-    weight_transfer: Literal["file", "collective"] = "file"
-    """How trainers deliver weights besides a path or the object store, which always work. file:
-    nothing more. collective: each replica can join a process group with the trainer's publishing
-    rank and receive the tensors by broadcast (`/weights/update` with source collective:
-    docs/design.md#weights-by-collective)."""
+    weight_transfer: Annotated[
+        Literal[WeightSource.PATH, WeightSource.COLLECTIVE], BeforeValidator(read_old_spelling)
+    ] = WeightSource.PATH
+    """How trainers deliver weights besides a path or the object store, which always work. path
+    (`file`, the old spelling, is read as path): nothing more. collective: each replica can join a
+    process group with the trainer's publishing rank and receive the tensors by broadcast
+    (`/weights/update` with source collective: docs/design.md#weights-by-collective)."""
     collective_backend: Literal["gloo", "nccl"] = "gloo"
     """The process-group backend of weight_transfer: collective: gloo on CPU, nccl between GPUs
     (replica_num_gpus > 0)."""
@@ -128,12 +137,6 @@ class AppArgs(StrictModel):
     last weight load it covered (a load longer than this keeps the hold)."""
     min_free_disk_mb: float = Field(256.0, ge=0)
     """A start is refused with 507 when save_path has less free space than this."""
-    transformers: TransformersOptions = Field(default_factory=TransformersOptions)
-    """Settings of engine: transformers (set only with that engine)."""
-    vllm: VllmOptions = Field(default_factory=VllmOptions)
-    """Settings of engine: vllm (set only with that engine)."""
-    sglang: SglangOptions = Field(default_factory=SglangOptions)
-    """Settings of engine: sglang (set only with that engine)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -148,7 +151,7 @@ class AppArgs(StrictModel):
 
     @model_validator(mode="after")
     def _collective_backend_fits(self) -> AppArgs:
-        if self.collective_backend == "nccl" and self.weight_transfer != "collective":
+        if self.collective_backend == "nccl" and self.weight_transfer != WeightSource.COLLECTIVE:
             raise ValueError(
                 "collective_backend is only read with weight_transfer: collective: set weight_transfer: "
                 "collective, or remove collective_backend"
@@ -158,7 +161,7 @@ class AppArgs(StrictModel):
                 "collective_backend: nccl moves weights between GPUs, but replica_num_gpus is 0: give each "
                 "replica a GPU (replica_num_gpus), or use collective_backend: gloo on CPU"
             )
-        if self.weight_transfer == "collective":
+        if self.weight_transfer == WeightSource.COLLECTIVE:
             self.engine_options.require(Capability.RECEIVE_COLLECTIVE)  # a ValueError: pydantic reports it
         return self
 
@@ -237,7 +240,7 @@ class AppArgs(StrictModel):
             raise ValueError(f"the app's profiler settings exceed start_limits: {'; '.join(problems)}")
         return limits
 
-    @field_validator("tiny_model", *ENGINE_OPTIONS)
+    @field_validator("tiny_model", *ENGINE_OPTIONS, check_fields=False)  # the blocks are AppArgs'
     @classmethod
     def _engine_rules_hold(cls, value: Any, info: ValidationInfo) -> Any:
         # The engine's own rules about the app's other keys (EngineOptions.app_problems).
@@ -246,7 +249,7 @@ class AppArgs(StrictModel):
             raise ValueError(why)
         return value
 
-    @field_validator(*ENGINE_OPTIONS)
+    @field_validator(*ENGINE_OPTIONS, check_fields=False)
     @classmethod
     def _only_for_its_engine(cls, options: EngineOptions, info: ValidationInfo) -> EngineOptions:
         # Runs only for a block the config sets: a block of another engine would do nothing.
@@ -264,3 +267,28 @@ class AppArgs(StrictModel):
         without a block of its own in these args)."""
         options: EngineOptions = getattr(self, self.engine, None) or ENGINE_OPTIONS[self.engine]()
         return options
+
+
+def _engine_blocks() -> dict[str, Any]:
+    """One settings block per registered engine, keyed by its `engine:` value: the registry is
+    the one list of engines, so adding one adds its block here."""
+    return {
+        name: (
+            options,
+            Field(default_factory=options, description=f"Settings of engine: {name} (set only with that engine)."),
+        )
+        for name, options in ENGINE_OPTIONS.items()
+    }
+
+
+if TYPE_CHECKING:
+    AppArgs = _AppArgs
+else:
+    # The blocks come after the other keys: their rules read `engine` and the keys before them.
+    AppArgs = create_model(
+        "AppArgs",
+        __base__=_AppArgs,
+        __module__=__name__,
+        __doc__="Field docstrings are the fields' documentation (docs/configuration.md is generated from them).",
+        **_engine_blocks(),
+    )

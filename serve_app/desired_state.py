@@ -25,6 +25,7 @@ from pydantic import BaseModel, Field, model_validator
 from ray.experimental import internal_kv
 
 from profiling.session import SessionSpec
+from profiling.weight_source import WeightSource
 
 log = logging.getLogger(__name__)
 
@@ -34,27 +35,27 @@ _NAMESPACE = "rollout_profiler"
 class InitialWeights(BaseModel):
     """The engine's own weights, as it started: nothing was published."""
 
-    source: Literal["initial"] = "initial"
+    source: Literal[WeightSource.INITIAL] = WeightSource.INITIAL
 
 
 class PathWeights(BaseModel):
     """The served weights are the file (or checkpoint directory) at `path`."""
 
-    source: Literal["path"] = "path"
+    source: Literal[WeightSource.PATH] = WeightSource.PATH
     path: str
 
 
 class ObjectStoreWeights(BaseModel):
     """The served weights came through the Ray object store (the controller keeps their ref)."""
 
-    source: Literal["object_store"] = "object_store"
+    source: Literal[WeightSource.OBJECT_STORE] = WeightSource.OBJECT_STORE
 
 
 class PeerWeights(BaseModel):
     """The served weights came by collective or by the trainer's own transfer: no file holds
     them, so a replica that starts copies them from a peer replica serving `weight_version`."""
 
-    source: Literal["peer"] = "peer"
+    source: Literal[WeightSource.PEER] = WeightSource.PEER
 
 
 Weights = Annotated[InitialWeights | PathWeights | ObjectStoreWeights | PeerWeights, Field(discriminator="source")]
@@ -81,13 +82,13 @@ class DesiredState(BaseModel):
         earlier = {k: data[k] for k in _EARLIER_FIELDS if k in data}
         rest = {k: v for k, v in data.items() if k not in _EARLIER_FIELDS}
         if earlier.get("weights_in_object_store"):
-            weights: dict[str, Any] = {"source": "object_store"}
+            weights: dict[str, Any] = {"source": WeightSource.OBJECT_STORE}
         elif earlier.get("weights_from_peer"):
-            weights = {"source": "peer"}
+            weights = {"source": WeightSource.PEER}
         elif earlier.get("weights_path"):
-            weights = {"source": "path", "path": earlier["weights_path"]}
+            weights = {"source": WeightSource.PATH, "path": earlier["weights_path"]}
         else:
-            weights = {"source": "initial"}
+            weights = {"source": WeightSource.INITIAL}
         return {**rest, "weights": weights}
 
 

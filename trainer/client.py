@@ -25,6 +25,7 @@ from pydantic import BaseModel
 
 from profiling.clock_exchange import PINGS, ClockReading, offset_from, reversed_offset
 from profiling.manifest import ClockOffset, StepManifest
+from profiling.weight_source import WeightSource
 from serve_app.api import (
     ClockResponse,
     ControlCall,
@@ -185,7 +186,9 @@ class RolloutClient:
     async def adopt_weights(self, version: int, *, resume: bool = True) -> UpdateWeightsResponse:
         """Publish `version`, which this trainer moved into the engines itself (source external):
         the app checks that every replica's engine reports it, and loads nothing."""
-        return await self._update(UpdateWeightsRequest(version=version, source="external", resume=resume), retry=True)
+        return await self._update(
+            UpdateWeightsRequest(version=version, source=WeightSource.EXTERNAL, resume=resume), retry=True
+        )
 
     async def publish_weights(self, body: UpdateWeightsRequest) -> UpdateWeightsResponse:
         """Send `body` to /weights/update once, never repeated (a collective transfer's broadcast

@@ -20,6 +20,7 @@ from typing import Literal
 
 import torch
 
+from profiling.weight_source import WeightSource
 from serve_app.api import UpdateWeightsRequest, UpdateWeightsResponse
 from serve_app.weights import collective as weight_wire
 from serve_app.weights.collective_schema import CollectiveTransfer
@@ -82,7 +83,9 @@ class CollectiveWeights:
             tensors=[weight_wire.meta_of(name, t) for name, t in state.items()],
         )
         weight_wire.host_sync(self._store, transfer)
-        request = UpdateWeightsRequest(version=version, source="collective", collective=transfer, resume=resume)
+        request = UpdateWeightsRequest(
+            version=version, source=WeightSource.COLLECTIVE, collective=transfer, resume=resume
+        )
         answer = asyncio.ensure_future(self._client.publish_weights(request))
         try:
             world_size = await self._world_size(transfer, answer)

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import BeforeValidator, Field, ValidationError, model_validator
 
 from profiling.config import GlobalProfilerConfig, ProfileOptions, StrictModel, describe_validation_error
+from profiling.weight_source import WeightSource, read_old_spelling
 
 MAX_AGENT_TURNS = 16
 """Most turns per agent-loop episode (each turn's prompt holds the whole conversation so far)."""
@@ -68,11 +69,14 @@ class TrainerSection(StrictModel):
         "(torch.distributed, gloo), the policy sharded with FSDP2; rank 0 drives the app and publishes "
         "(docs/trainer.md#several-ranks).",
     )
-    weight_transfer: Literal["file", "collective"] = Field(
-        "file",
-        description="How published versions reach the replicas: file (a safetensors file in weights_dir, "
-        "its path sent to POST /weights/update), or collective (rank 0 broadcasts the state dict to the "
-        "replicas over a process group; the app's weight_transfer must be collective too).",
+    weight_transfer: Annotated[
+        Literal[WeightSource.PATH, WeightSource.COLLECTIVE], BeforeValidator(read_old_spelling)
+    ] = Field(
+        WeightSource.PATH,
+        description="How published versions reach the replicas: path (a safetensors file in weights_dir, "
+        "its path sent to POST /weights/update; `file`, the old spelling, is read as path), or collective "
+        "(rank 0 broadcasts the state dict to the replicas over a process group; the app's weight_transfer "
+        "must be collective too).",
     )
     collective_address: str = Field(
         "127.0.0.1",

@@ -19,6 +19,7 @@ from pydantic import BaseModel, Field
 
 from profiling.manifest import SyncCost
 from profiling.schedule import StepSchedule
+from profiling.weight_source import WeightSource
 from trainer.agent_loop import AgentLoop, Reward
 from trainer.client import RolloutClient
 from trainer.config import TrainerConfig
@@ -84,9 +85,7 @@ async def _produce(
     while True:
         prompts = [PROMPTS[(n + i) % len(PROMPTS)] for i in range(r.prompts_per_request)]
         n += r.prompts_per_request
-        resp = await client.complete(
-            prompts, max_tokens=r.max_tokens, temperature=r.temperature, logprobs=1
-        )
+        resp = await client.complete(prompts, max_tokens=r.max_tokens, temperature=r.temperature, logprobs=1)
         for c in resp.choices:
             logprobs = c.logprobs.token_logprobs if c.logprobs else []
             if any(lp is None for lp in logprobs):  # OpenAI's None is an echoed prompt's first token
@@ -194,7 +193,7 @@ async def run_training(
 def _publisher(cfg: TrainerConfig, client: RolloutClient | None) -> WeightPublisher:
     """The publisher of `trainer.weight_transfer`: weight files, or a broadcast to the replicas."""
     t = cfg.trainer
-    if t.weight_transfer == "file" or client is None:
+    if t.weight_transfer == WeightSource.PATH or client is None:
         return PathPublisher()
     from trainer.collective import CollectiveWeights  # lazy: only jobs that broadcast need it
 

@@ -44,6 +44,7 @@ from profiling.schedule import StepSchedule, SyncPlan
 from profiling.session import ProfileSession, SessionSpec
 from profiling.step_stats import Staleness
 from profiling.store import TraceStore
+from profiling.weight_source import WeightSource
 from serve_app.api import UpdateWeightsResponse
 from trainer.client import RolloutClient, RolloutError
 
@@ -94,7 +95,7 @@ class PathPublisher(WeightPublisher):
     """Weight files (mode file, the default): `publish` writes a checkpoint inside the app's
     `weights_dir` and returns its path; the replicas read it (`/weights/update` with the path)."""
 
-    transfer = "file"
+    transfer = WeightSource.PATH
 
     def check(self, weights: Weights | None) -> None:
         self._path(weights)
@@ -156,7 +157,7 @@ class InClusterPublisher(StateDictPublisher):
     """Through the Ray object store (mode object_store), for a trainer in the app's Ray cluster: every
     replica, on every node, fetches the state dict from there (docs/multi_node.md)."""
 
-    transfer = "object_store"
+    transfer = WeightSource.OBJECT_STORE
 
     def __init__(self, transport: InClusterWeights):
         """`transport`: `InClusterWeights(app_name)` (trainer/in_cluster.py)."""
@@ -167,7 +168,7 @@ class CollectivePublisher(StateDictPublisher):
     """By broadcast over a process group made per sync (mode collective; the app needs
     `weight_transfer: collective`: docs/design.md#weights-by-collective)."""
 
-    transfer = "collective"
+    transfer = WeightSource.COLLECTIVE
 
     def __init__(self, transport: CollectiveWeights):
         """`transport`: `CollectiveWeights(client, address=...)` (trainer/collective.py)."""
@@ -180,7 +181,7 @@ class ExternalPublisher(WeightPublisher):
     (`/weights/update` with source external) and checks that every replica's engine reports it.
     `sync`'s `publish` is then not needed."""
 
-    transfer = "external"
+    transfer = WeightSource.EXTERNAL
 
     def __init__(self, update: UpdateFn):
         self.update = update

@@ -34,7 +34,7 @@ from trainer.profiled_sync import CollectivePublisher, ProfiledWeightSync
 
 
 class Mode(StrEnum):
-    file = "file"
+    path = "path"
     collective = "collective"
 
 
@@ -55,7 +55,7 @@ async def file_mode(client: RolloutClient, model: dict[str, torch.Tensor], weigh
             path = weights_dir / f"v{version}.safetensors"  # inside the app's weights_dir
             save_file(model, str(path))
             report = await sync.sync(version, path)
-            print(f"v{version}: file, update {report.cost.update_s:.3f} s")
+            print(f"v{version}: path, update {report.cost.update_s:.3f} s")
     # --8<-- [end:file]
 
 
@@ -78,7 +78,7 @@ async def collective_mode(client: RolloutClient, model: dict[str, torch.Tensor],
 
 def main(
     url: Annotated[str, typer.Option(help="The running app.")],
-    mode: Annotated[Mode, typer.Option(help="file or collective.")] = Mode.file,
+    mode: Annotated[Mode, typer.Option(help="path or collective.")] = Mode.path,
     model_path: Annotated[Path | None, typer.Option(help="The app's model (default: the tiny Llama).")] = None,
     weights_dir: Annotated[Path, typer.Option(help="The app's weights_dir (file mode).")] = Path(
         "/tmp/rollout-profiler/weights"
@@ -91,7 +91,7 @@ def main(
         async with RolloutClient(url) as client:
             first = (await client.status()).weight_version + 1
             published = range(first, first + versions)
-            if mode is Mode.file:
+            if mode is Mode.path:
                 weights_dir.mkdir(parents=True, exist_ok=True)
                 await file_mode(client, model, weights_dir, published)
             else:

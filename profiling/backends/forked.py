@@ -19,6 +19,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -29,12 +30,21 @@ background merges (+19, profiling/analysis/background_merge.py), which nothing w
 step's export holds the next start back once `max_exporting_steps` are pending."""
 
 
+STALL_S = 20.0
+"""A child whose CPU time has not moved for this long is stuck, not slow: killed, and its work
+handed back (`ForkUnavailable`). A child forked from a threaded process inherits every lock as it
+was at the fork, and one that another thread held then is never released in the child (seen:
+an export that never ended in a process whose clock calls go through a preloaded library). An
+export always computes or writes; even at its lower priority on a saturated machine it gets some
+CPU every few seconds."""
+_POLL_S = 1.0
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 class ForkUnavailable(RuntimeError):
     """No child could do the work (no fork on this platform, CUDA is initialised here, the
-    kernel refused, or the child died without an answer): do it in the process instead."""
+    kernel refused, the child died without an answer, or it was stuck): do it in the process
+    instead."""
 
 
 def can_fork() -> bool:
@@ -50,8 +60,9 @@ def can_fork() -> bool:
 def run_forked(work: Callable[[], dict[str, Any]], timeout_s: float) -> dict[str, Any]:
     """`work()` in a child forked from this process, at lower CPU priority; its result (plain
     JSON data) returned here. ForkUnavailable when no child can be forked, or when the child
-    died without an answer (a crash: a child forked from a threaded process inherits the
-    locks other threads held, and rarely, it dies on one); `work` must be safe to do again here.
+    died without an answer or got stuck (a child forked from a threaded process inherits the
+    locks other threads held, and rarely, it dies or waits forever on one: `STALL_S`); `work`
+    must be safe to do again here.
     RuntimeError with the child's error when `work` raised; TimeoutError, with the child
     killed, when it did not finish within `timeout_s`."""
     if not can_fork():
@@ -117,20 +128,48 @@ def _die_with(parent: int) -> None:
 
 
 def _read_all(fd: int, pid: int, timeout_s: float) -> bytes:
+    """The child's whole answer; the child killed at `timeout_s` (TimeoutError) or once stuck
+    (`STALL_S` without CPU time: ForkUnavailable)."""
     chunks: list[bytes] = []
-    deadline = time.monotonic() + timeout_s
+    now = time.monotonic()
+    deadline = now + timeout_s
+    cpu, moved_at = _cpu_ticks(pid), now
     while True:
-        left = deadline - time.monotonic()
-        ready, _, _ = select.select([fd], [], [], max(0.0, left))
-        if not ready:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
+        ready, _, _ = select.select([fd], [], [], max(0.0, min(deadline - now, _POLL_S)))
+        now = time.monotonic()
+        if ready:
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                return b"".join(chunks)
+            chunks.append(chunk)
+            cpu, moved_at = _cpu_ticks(pid), now
+        elif now >= deadline:
+            _kill(pid)
             raise TimeoutError(f"the forked child did not finish within {timeout_s:g}s and was killed")
-        chunk = os.read(fd, 1 << 16)
-        if not chunk:
-            return b"".join(chunks)
-        chunks.append(chunk)
+        elif (ticks := _cpu_ticks(pid)) != cpu:
+            cpu, moved_at = ticks, now
+        elif ticks is not None and now - moved_at >= STALL_S:
+            _kill(pid)
+            why = f"the forked child used no CPU for {STALL_S:g}s (stuck on a lock another thread held at the fork)"
+            log.warning("%s: killed; the work is done in this process instead", why)
+            raise ForkUnavailable(why)
+
+
+def _kill(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+
+
+def _cpu_ticks(pid: int) -> int | None:
+    """The process's user + system CPU time, in clock ticks (None: not readable here, no /proc)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # The command name, in parentheses, may hold spaces: count the fields after it.
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15 of proc(5)
 
 
 def _how_it_ended(status: int) -> str:

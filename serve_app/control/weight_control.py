@@ -10,6 +10,7 @@ from typing import Any
 
 import ray
 
+from profiling.weight_source import WeightSource
 from serve_app.api import (
     CollectiveTransfer,
     EngineRpcReport,
@@ -43,21 +44,28 @@ class WeightControl:
         (inside weights_dir), a collective transfer, or the trainer's own transfer (external)."""
         if not req.resume:
             require(self._args, Capability.PAUSE, "resume: false")
-        if req.collective is not None:
-            return await self._by_collective(req.version, req.collective, req.resume)
-        if req.source == "external":
-            require(self._args, Capability.ADOPT_EXTERNAL, "source external")
-            return await self._adopt(req.version, req.resume)
-        assert req.path is not None  # the request's own validation: source path needs it
+        # The request's own validation gives each source the field it needs.
+        match req.source:
+            case WeightSource.COLLECTIVE:
+                assert req.collective is not None
+                return await self._by_collective(req.version, req.collective, req.resume)
+            case WeightSource.EXTERNAL:
+                require(self._args, Capability.ADOPT_EXTERNAL, "source external")
+                return await self._adopt(req.version, req.resume)
+            case WeightSource.PATH:
+                assert req.path is not None
+                return await self._by_path(req.version, req.path, req.resume)
+
+    async def _by_path(self, version: int, path_given: str, resume: bool) -> UpdateWeightsResponse:
         require(self._args, Capability.LOAD_PATH, "source path")
         async with self._fleet.lock, timed_call("update_weights"):
             try:
-                path = str(resolve_weights_path(req.path, self._weights_dir))
+                path = str(resolve_weights_path(path_given, self._weights_dir))
             except WeightsError as e:
                 raise Refused(f"path: {e}") from e
-            desired = await self._check_version(req.version, path)
-            reports = await self._fleet.broadcast("update_weights", req.version, path, req.resume)
-            return await self._loaded(desired, req.version, req.resume, reports, PathWeights(path=path))
+            desired = await self._check_version(version, path)
+            reports = await self._fleet.broadcast("update_weights", version, path, resume)
+            return await self._loaded(desired, version, resume, reports, PathWeights(path=path))
 
     async def update_weights_in_cluster(
         self, req: InClusterWeightsRequest, refs: list[ray.ObjectRef]
@@ -78,7 +86,7 @@ class WeightControl:
         """Every live replica joins the sync's group and stages the broadcast; only when every one
         of them has it do they load it, else none does (docs/design.md#weights-by-collective)."""
         async with self._fleet.lock, timed_call("update_weights"):
-            if self._args.weight_transfer != "collective":
+            if self._args.weight_transfer != WeightSource.COLLECTIVE:
                 raise Refused(
                     f"source collective needs the app's weight_transfer: collective (it is "
                     f"{self._args.weight_transfer}): set it in the app's args, or publish through a path"

@@ -15,6 +15,8 @@ from serve_app.engines.vllm.options import VllmOptions
 
 EngineName = Literal["transformers", "vllm", "sglang"]
 """The `engine:` values: the keys of `ENGINE_OPTIONS`."""
+DEFAULT_ENGINE: EngineName = "transformers"
+"""The engine of an app that names none: the embedded one, which runs anywhere (on CPU)."""
 
 ENGINE_OPTIONS: dict[str, type[EngineOptions]] = {
     cls.engine: cls for cls in (TransformersOptions, VllmOptions, SglangOptions)

@@ -13,7 +13,7 @@ refused flush failing the call after the weights changed):
   (`step_span_name`: `step[EXTEND bs=<n> toks=<t>]` for the requests not yet prefilled (new, or
   retracted), else `step[DECODE bs=<n>]` for every running request; `ModelRunner.forward` in
   `sglang/srt/model_executor/model_runner.py`, `build_step_span_name` in
-  `sglang/srt/utils/profile_utils.py`); tests/unit/test_sglang_package.py checks the names
+  `sglang/srt/utils/profile_utils.py`); tests/unit/engines/sglang/test_package.py checks the names
   against the installed SGLang;
 * generation runs the real checkpoint at --model-path with transformers, on CPU, without a KV
   cache (each step re-reads the whole sequence); the radix cache is kept as bookkeeping only

@@ -13,7 +13,7 @@ SGLang 0.5.23 joins a trainer's weight broadcast as its model runner's `WeightUp
   bytes in turn, at an offset aligned to its dtype);
 * `destroy_weights_update_group`: `torch.distributed.destroy_process_group` of the named group.
 
-tests/unit/test_sglang_package.py holds `init_custom_process_group` to SGLang's own source. The
+tests/unit/engines/sglang/test_package.py holds `init_custom_process_group` to SGLang's own source. The
 fake is TP 1 (tp_rank 0) on CPU, so its groups run gloo whatever `backend` says "nccl" would need.
 """
 
@@ -64,7 +64,7 @@ def init_custom_process_group(
     elif init_method is None:
         init_method = "env://"
 
-    if backend:  # noqa: SIM108 - SGLang's statement, copied as it is (test_sglang_package)
+    if backend:  # noqa: SIM108 - SGLang's statement, copied as it is (tests/unit/engines/sglang/test_package.py)
         backend = Backend(backend)
     else:
         backend = Backend("undefined")

@@ -45,9 +45,9 @@ def _run(app, model_dir: Path, mode: str) -> str:
     return proc.stdout
 
 
-@pytest.mark.parametrize(("mode", "published"), [("file", [1, 2, 3]), ("collective", [4, 5, 6])])
+@pytest.mark.parametrize(("mode", "published"), [("path", [1, 2, 3]), ("collective", [4, 5, 6])])
 def test_each_mode_publishes_every_version_and_profiles_two_steps(served, model_dir, mode, published):
-    """Run in order: the collective run continues from the version the file run left served."""
+    """Run in order: the collective run continues from the version the path run left served."""
     out = _run(served, model_dir, mode)
     assert [line.split(":")[0] for line in out.splitlines() if line.startswith("v")] == [f"v{v}" for v in published]
     with httpx.Client(base_url=served.base_url, timeout=30) as c:

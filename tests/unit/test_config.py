@@ -158,7 +158,27 @@ def test_collective_transfer_is_refused_for_sglang_naming_the_alternatives():
 
     with pytest.raises(ValidationError, match=r"not supported with engine sglang.*source external"):
         AppArgs(engine="sglang", weight_transfer="collective")
-    assert AppArgs(engine="sglang").weight_transfer == "file"
+    assert AppArgs(engine="sglang").weight_transfer == "path"
+
+
+def test_weight_sources_are_one_vocabulary_and_the_old_spelling_still_reads():
+    """`weight_transfer: file` (configs and manifests written before the vocabularies were one)
+    reads as path; a value outside the place's members is refused naming the allowed ones."""
+    from profiling.manifest import SyncCost
+    from profiling.weight_source import WeightSource
+    from serve_app.api import UpdateWeightsRequest
+    from serve_app.config import AppArgs
+    from trainer.config import TrainerConfig
+
+    assert AppArgs(weight_transfer="file").weight_transfer is WeightSource.PATH
+    assert TrainerConfig.model_validate({"trainer": {"weight_transfer": "file"}}).trainer.weight_transfer == "path"
+    assert SyncCost.model_validate({"transfer": "file"}).transfer is WeightSource.PATH
+    assert SyncCost(transfer=WeightSource.OBJECT_STORE).model_dump(mode="json")["transfer"] == "object_store"
+    assert UpdateWeightsRequest(version=1, path="v1.safetensors").source is WeightSource.PATH
+    with pytest.raises(ValidationError, match=r"Input should be 'path' or 'collective'"):
+        AppArgs(weight_transfer="object_store")
+    with pytest.raises(ValidationError, match=r"'path', 'collective' or 'external'"):
+        UpdateWeightsRequest(version=1, source="peer")
 
 
 # -- retention -----------------------------------------------------------------------------

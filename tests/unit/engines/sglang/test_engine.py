@@ -1004,7 +1004,7 @@ async def move_by_distributed_update(engine: EngineController, weights: Path, ve
 
     state = load_file(str(weights))
     port = free_port()
-    tests_dir = str(Path(__file__).resolve().parents[1])
+    tests_dir = str(Path(__file__).resolve().parents[3])
     trainer = subprocess.Popen(
         [sys.executable, "-c", TRAINER, str(port), str(weights)], cwd=tests_dir, stdin=subprocess.PIPE, text=True
     )
