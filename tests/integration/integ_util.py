@@ -254,10 +254,10 @@ def write_perturbed_weights(model_dir: Path, out: Path, seed: int) -> Path:
 
 @contextlib.asynccontextmanager
 async def direct_vllm_engine(model_dir: Path, tmp: Path) -> AsyncIterator[Any]:
-    """One `VllmEngine` behind its controller, built in this process, on the caller's event loop, as a replica builds it
-    (its traces under `tmp`); shut down on the way out."""
-    from profiling.manifest import ManifestEntry
-    from profiling.session import ProfileSession
+    """One `VllmEngine` behind its controller, built in this process, on the caller's event
+    loop, as a replica builds it (its traces under `tmp`); shut down on the way out."""
+    from support.engines import replica_sessions
+
     from profiling.store import TraceStore
     from serve_app.config import AppArgs
     from serve_app.engines.controller import EngineController
@@ -269,12 +269,7 @@ async def direct_vllm_engine(model_dir: Path, tmp: Path) -> AsyncIterator[Any]:
         VllmEngine,
         args=AppArgs(engine="vllm", vllm={"dtype": "float32", "max_model_len": 256}),
         model_dir=model_dir,
-        session_factory=lambda backend_factory: ProfileSession(
-            store=TraceStore(tmp / "traces"),
-            entry_identity=ManifestEntry(role="rollout", replica_id="direct0"),
-            exporter=exporter,
-            backend_factory=backend_factory,
-        ),
+        session_factory=replica_sessions(TraceStore(tmp / "traces"), exporter, "direct0"),
         trace_dir=tmp / "engine",
     )
     await built.opened()

@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
+from support.engines import replica_sessions
 
-from profiling.manifest import ManifestEntry
-from profiling.session import ProfileSession
 from serve_app.config import AppArgs
 from serve_app.control.capabilities import require
 from serve_app.engines import create_engine
@@ -83,12 +82,7 @@ def build(args: AppArgs, store, exporter, tmp_path: Path) -> EngineController:
     """The engine `args` names, built through the registry as a replica builds it."""
     return create_engine(
         args,
-        lambda backend_factory: ProfileSession(
-            store=store,
-            entry_identity=ManifestEntry(role="rollout", replica_id="min0"),
-            exporter=exporter,
-            backend_factory=backend_factory,
-        ),
+        replica_sessions(store, exporter, "min0"),
         "min0",
         trace_root=tmp_path / "traces",
     )

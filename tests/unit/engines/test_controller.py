@@ -12,10 +12,10 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
 
 import pytest
+from support.engines import replica_sessions
 from support.traces import trace_events
 
-from profiling.manifest import ManifestEntry
-from profiling.session import ProfileSession, SessionConflict, SessionSpec
+from profiling.session import SessionConflict, SessionSpec
 from profiling.store import TraceStore
 from serve_app.config import AppArgs
 from serve_app.engines.adapter import EngineAdapter
@@ -121,12 +121,7 @@ class FakeProfilingEngine(EngineController):
             self.adapter_class,
             args=AppArgs(engine=self.options.engine, hold_timeout_s=hold_timeout_s),
             model_dir=model_dir,
-            session_factory=lambda backend_factory: ProfileSession(
-                store=store,
-                entry_identity=ManifestEntry(role="rollout", replica_id="fake0"),
-                exporter=exporter,
-                backend_factory=backend_factory,
-            ),
+            session_factory=replica_sessions(store, exporter, "fake0"),
             trace_dir=trace_dir,
         )
 

@@ -22,11 +22,11 @@ import uvicorn
 from fakes.fake_sglang_scheduler import Scheduler
 from fakes.fake_sglang_server import build_app
 from safetensors.torch import load_file, save_file
+from support.engines import replica_sessions
 from support.traces import trace_events
 
 from profiling.config import NpuOptions, ProfileOptions
-from profiling.manifest import ManifestEntry
-from profiling.session import ProfileSession, SessionSpec
+from profiling.session import SessionSpec
 from profiling.store import TraceStore
 from serve_app.config import AppArgs
 from serve_app.engines.controller import EngineController
@@ -96,20 +96,12 @@ async def open_engine(url: str, model_dir: Path, tmp_path: Path) -> AsyncIterato
     args = AppArgs(engine="sglang", num_replicas=1, save_path=str(tmp_path / "traces"), sglang={"url": url})
     exporter = ThreadPoolExecutor(1, thread_name_prefix="export")
 
-    def session(backend_factory):
-        return ProfileSession(
-            store=TraceStore(args.save_path),
-            entry_identity=ManifestEntry(role="rollout", replica_id=RID, node_id="node-0"),
-            exporter=exporter,
-            backend_factory=backend_factory,
-        )
-
     eng = await asyncio.to_thread(
         EngineController,
         SglangEngine,
         args=args,
         model_dir=model_dir,
-        session_factory=session,
+        session_factory=replica_sessions(TraceStore(args.save_path), exporter, RID, node_id="node-0"),
         trace_dir=Path(args.save_path) / ".engine" / RID,
     )
     try:

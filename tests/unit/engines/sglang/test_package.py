@@ -285,9 +285,7 @@ FAKE_TEST_ROUTES = {"/get_weights_by_name"}
 """Routes of SGLang's that the fake serves for tests to read it (the adapter never calls them)."""
 
 
-def route_problems(
-    sglang: dict[str, tuple[set[str], str | None]], used: dict[str, set[str]], who: str
-) -> list[str]:
+def route_problems(sglang: dict[str, tuple[set[str], str | None]], used: dict[str, set[str]], who: str) -> list[str]:
     """Routes (path → methods) `who` uses that SGLang does not serve with those methods."""
     problems = []
     for path, methods in sorted(used.items()):
@@ -450,11 +448,11 @@ def test_sglang_package_refuses_a_cache_flush_as_the_fake_does():
 
 
 def test_sglang_package_flush_check_fails_on_a_drifted_answer_or_condition():
-    fn = ast.parse('''
+    fn = ast.parse("""
 def flush_cache(self):
     if self.is_fully_idle():
         return "Cache flushed."
-''')
+""")
     assert not flush_problems(fn, ("Cache flushed.",), ("self.is_fully_idle()",), "f")
     assert flush_problems(fn, ("Cache flushed!",), ("self.is_fully_idle(ignore_waiting=True)",), "f") == [
         "f no longer says 'Cache flushed!', which the fake answers",
@@ -471,7 +469,7 @@ def test_sglang_package_group_check_fails_on_a_drifted_group_formation():
 
 # -- the checkers fail on drift (no SGLang needed: they get SGLang's side as data) ---------------
 
-SGLANG_SAMPLE = ast.parse('''
+SGLANG_SAMPLE = ast.parse("""
 from typing import Annotated, Optional
 from fastapi import Body
 
@@ -501,7 +499,7 @@ async def init_weights_update_group(obj: Annotated[InitWeightsUpdateGroupReqInpu
 
 @app.post(os.environ.get("SOME_ROUTE", "/api/chat"))
 async def chat(request): ...
-''')
+""")
 
 
 def test_sglang_package_checkers_read_routes_and_fields_as_sglang_declares_them():

@@ -8,9 +8,8 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from support.engines import replica_sessions
 
-from profiling.manifest import ManifestEntry
-from profiling.session import ProfileSession
 from serve_app.config import AppArgs
 from serve_app.engines.controller import EngineController
 from serve_app.engines.generation import GenerateDelta, GenerateRequest, SamplingSpec
@@ -22,12 +21,7 @@ def build(store, exporter, model_dir: Path, tmp_path: Path, max_batch_size: int 
         TransformersEngine,
         args=AppArgs(engine="transformers", transformers={"max_batch_size": max_batch_size}),
         model_dir=model_dir,
-        session_factory=lambda backend_factory: ProfileSession(
-            store=store,
-            entry_identity=ManifestEntry(role="rollout", replica_id="t0"),
-            exporter=exporter,
-            backend_factory=backend_factory,
-        ),
+        session_factory=replica_sessions(store, exporter, "t0"),
         trace_dir=tmp_path / "engine",
     )
 
