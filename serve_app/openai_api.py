@@ -12,6 +12,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 from profiling.config import StrictModel
+from serve_app.engines.generation import WeightVersionSpan
 
 MIN_TEMPERATURE = 0.01
 MAX_CHOICES = 128
@@ -22,14 +23,6 @@ MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
 
 FinishReason = Literal["stop", "length"]
-
-
-class WeightVersionSpan(BaseModel):
-    """Output tokens `[start, end)` of a choice were sampled with weights `version`."""
-
-    version: int
-    start: int = Field(ge=0)
-    end: int = Field(ge=0)
 
 
 class StreamOptions(StrictModel):

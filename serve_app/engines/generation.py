@@ -10,7 +10,13 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
-from serve_app.openai_api import WeightVersionSpan
+
+class WeightVersionSpan(BaseModel):
+    """Output tokens `[start, end)` of a choice were sampled with weights `version`."""
+
+    version: int
+    start: int = Field(ge=0)
+    end: int = Field(ge=0)
 
 
 class SamplingSpec(BaseModel):

@@ -55,7 +55,7 @@ from profiling.store import atomic_write_text
 from serve_app.config import AppArgs
 from serve_app.engines.adapter import EngineAdapter
 from serve_app.engines.engine_profiler import EngineProfiler, EngineTrace
-from serve_app.engines.generation import GenerateDelta, GenerateRequest, TokenLogprobs
+from serve_app.engines.generation import GenerateDelta, GenerateRequest, TokenLogprobs, WeightVersionSpan
 from serve_app.engines.sglang.client import (
     BeginWeightUpdateBody,
     ContinueGenerationBody,
@@ -81,7 +81,6 @@ from serve_app.engines.sglang.client import (
 from serve_app.engines.sglang.options import SglangOptions
 from serve_app.engines.sglang.server import SglangServer, wait_ready
 from serve_app.engines.sglang.trace_dialect import SGLANG_DIALECT
-from serve_app.openai_api import WeightVersionSpan
 from serve_app.weights.checkpoint import stage_weights
 from serve_app.weights.safetensors_file import WeightsError
 

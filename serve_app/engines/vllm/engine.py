@@ -43,10 +43,9 @@ from profiling.session import SessionSpec
 from serve_app.config import AppArgs
 from serve_app.engines.adapter import EngineAdapter, PassCounts
 from serve_app.engines.engine_profiler import EngineProfiler
-from serve_app.engines.generation import GenerateDelta, GenerateRequest, SamplingSpec, TokenLogprobs
+from serve_app.engines.generation import GenerateDelta, GenerateRequest, SamplingSpec, TokenLogprobs, WeightVersionSpan
 from serve_app.engines.vllm.options import VllmOptions
 from serve_app.engines.vllm.worker import EXTENSION, WorkerExport, WorkerStop, export_record
-from serve_app.openai_api import WeightVersionSpan
 from serve_app.weights.checkpoint import StateDict, stage_weights
 from serve_app.weights.collective_schema import CollectiveTransfer
 
