@@ -57,7 +57,7 @@ before anything starts, and inherited.
     python benchmarks/control_under_load.py [--engine transformers|vllm] [--clients 8,256,1024,4096]
         [--seconds 30] [--rounds 3] [--sync-every-s 2] [--against vllm|none] [--n 1]
         [--max-tokens 32] [--drain-s 300] [--json PATH] [--control-via listener|port]
-        [--generation-via listener|port] [--quick]
+        [--generation-via listener|port] [--no-profiling] [--max-forward-steps N] [--quick]
 """
 
 from __future__ import annotations
@@ -518,15 +518,18 @@ class AppSide(Side):
         publisher: WeightsPublisher,
         control_url: str | None,
         serve_url: str,
+        profiling: bool = True,
     ):
         """`url`: where the load goes (Serve's port or the replica listener); `control_url`: the
-        app's control listener (None: control calls go to Serve's port, `serve_url`)."""
+        app's control listener (None: control calls go to Serve's port, `serve_url`); without
+        `profiling` every sync is a plain update."""
         super().__init__(url, body, control_url or serve_url)
         self.client = RolloutClient(serve_url, control_url=control_url, timeout_s=CONTROL_TIMEOUT_S)
         self._serve_port = (
             httpx.AsyncClient(base_url=serve_url, timeout=CONTROL_TIMEOUT_S, trust_env=False) if control_url else None
         )
-        self.sync = ProfiledWeightSync(StepSchedule(profiled_steps(syncs)), self.client, save_path=None)
+        steps = profiled_steps(syncs) if profiling else []
+        self.sync = ProfiledWeightSync(StepSchedule(steps), self.client, save_path=None)
         self._publisher = publisher
         self.version = 0
 
@@ -704,6 +707,10 @@ class Report(BaseModel):
     n: int
     max_tokens: int
     omp_threads: str
+    profiling: bool = True
+    """False: every sync was a plain weight update (--no-profiling)."""
+    max_forward_steps: int | None = None
+    """The profiler's window bound the app ran with."""
     source: str
     """Where the app's code came from, with its git commit when known."""
     machine: dict[str, Any]
@@ -1093,6 +1100,10 @@ def main(
                                        "(replica_listener); port: to Serve's HTTP port."),
     quick: bool = typer.Option(False, help="A smoke run: 64 clients (unless --clients says otherwise), 1 round of "
                                "8 s, a sync every second."),
+    profiling: bool = typer.Option(True, help="--no-profiling: every sync is a plain weight update (what the sync "
+                                   "costs generation without the profiler's recording)."),
+    max_forward_steps: int | None = typer.Option(None, min=1, help="The app's profiler.max_forward_steps (default: "
+                                                 "the config's): a window's bound in engine steps."),
 ) -> None:  # fmt: skip
     if engine not in CONFIGS:
         raise typer.BadParameter(f"--engine {engine!r}: give transformers or vllm")
@@ -1127,6 +1138,8 @@ def main(
     args.pop("replica_listener", None)
     if generation_via == "listener":
         args["replica_listener"] = {"port": free_port()}
+    if max_forward_steps is not None:
+        args["profiler"] = {**cfg_args.get("profiler", {}), "max_forward_steps": max_forward_steps}
     threads = replica_omp_threads(args)
     if engine == "vllm":
         args["replica_env"] = {**cfg_args.get("replica_env", {}), "OMP_NUM_THREADS": threads}
@@ -1138,7 +1151,8 @@ def main(
         engine=engine, config=config, against=against, control_via=control_via, generation_via=generation_via,
         clients=ns, seconds=seconds,
         rounds=rounds, sync_every_s=sync_every_s, sync_spacing_s=plan.spacing_s, n=n, max_tokens=max_tokens,
-        omp_threads=threads, source=_source(),
+        omp_threads=threads, profiling=profiling, max_forward_steps=parsed.profiler.max_forward_steps,
+        source=_source(),
         machine={"cpus": os.cpu_count(), "loadavg_at_start": os.getloadavg(), "open_files": fds,
                  "load_generator": f"aiohttp {aiohttp.__version__}, in a child process"},
     )  # fmt: skip
@@ -1148,6 +1162,7 @@ def main(
         f"engine {engine} ({config}, {args.get('num_replicas')} replicas), against {against}, control via "
         f"{control_via}, generation via {generation_via}, N={ns}, "
         f"{rounds} rounds of {seconds:.0f} s, a sync every {plan.spacing_s:.2f} s, OMP_NUM_THREADS={threads}, "
+        f"{f'windows of at most {report.max_forward_steps} engine steps' if profiling else 'no profiling'}, "
         f"open files {fds}; app code {report.source}"
     )
     with contextlib.ExitStack() as stack:
@@ -1171,7 +1186,7 @@ def main(
 
         async def measure() -> None:
             publisher = WeightsPublisher(args["model_path"], work / "weights")
-            app = AppSide(load_url, body, total_syncs, publisher, control_url, app_url)
+            app = AppSide(load_url, body, total_syncs, publisher, control_url, app_url, profiling)
             sides: list[Side] = [app]
             if vproc is not None:
                 sides.append(VllmSide(f"http://127.0.0.1:{ref_port}", body))
