@@ -14,6 +14,7 @@ from pydantic import BaseModel
 
 from serve_app.engines.generation import GenerateDelta, SamplingSpec, SpanBuilder, TokenLogprobs
 from serve_app.openai_api import (
+    TOKEN_ID_PREFIX,
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -25,9 +26,14 @@ from serve_app.openai_api import (
     CompletionLogprobs,
     CompletionRequest,
     FinishReason,
+    PromptLogprob,
+    PromptLogprobs,
     TokenLogprob,
     TopLogprob,
 )
+
+LOWEST_LOGPROB = -9999.0
+"""What a logprob of -inf is written as (vLLM's, and OpenAI's): JSON has no infinity."""
 
 OpenAIRequest = CompletionRequest | ChatCompletionRequest
 
@@ -76,7 +82,7 @@ def sampling_for(request: OpenAIRequest, prompt_index: int, i: int, max_tokens: 
     """The engine-neutral sampling of choice `i` of prompt `prompt_index`."""
     if isinstance(request, CompletionRequest):
         logprobs = request.logprobs
-        prompt_logprobs = request.logprobs if request.echo and request.logprobs is not None else None
+        prompt_logprobs = request.wants_prompt_logprobs()
     else:
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         prompt_logprobs = None
@@ -116,6 +122,7 @@ class ChoiceBuilder:
         replica's weight version, for a delta whose engine does not say."""
         self._tok = tokenizer
         self._request = request
+        self._as_ids = request.return_tokens_as_token_ids
         self._chat = isinstance(request, ChatCompletionRequest)
         self.index = index
         self.prompt_ids = prompt_ids
@@ -186,6 +193,7 @@ class ChoiceBuilder:
             text=self._echo + self.text(),
             finish_reason=finish,
             logprobs=self._completion_logprobs(self.token_ids, self._logprobs, echo=True),
+            prompt_logprobs=self._prompt_logprobs_out(),
             **tokens,
         )
 
@@ -246,7 +254,6 @@ class ChoiceBuilder:
     ) -> CompletionLogprobs | None:
         if not isinstance(self._request, CompletionRequest) or self._request.logprobs is None:
             return None
-        k = self._request.logprobs
         all_ids: list[int] = []
         all_lps: list[TokenLogprobs | None] = []
         if echo and self._echo and self._prompt_logprobs is not None:
@@ -254,31 +261,72 @@ class ChoiceBuilder:
             all_lps += self._prompt_logprobs
         all_ids += ids
         all_lps += logprobs
-        strings = self._tok.token_strings(all_ids)
+        strings = self._strings(all_ids)
         offsets = []
         for s in strings:
             offsets.append(self._offset)
             self._offset += len(s)
         return CompletionLogprobs(
             tokens=strings,
-            token_logprobs=[None if lp is None else lp.logprob for lp in all_lps],
-            top_logprobs=[None if lp is None else self._top(lp) for lp in all_lps] if k else None,
+            token_logprobs=[None if lp is None else _finite(lp.logprob) for lp in all_lps],
+            top_logprobs=[
+                None if lp is None else self._top(token, lp) for token, lp in zip(all_ids, all_lps, strict=True)
+            ],
             text_offset=offsets,
         )
 
-    def _top(self, lp: TokenLogprobs) -> dict[str, float]:
-        ids = list(lp.top)
-        return dict(zip(self._tok.token_strings(ids), lp.top.values(), strict=True))
+    def _top(self, token_id: int, lp: TokenLogprobs) -> dict[str, float]:
+        """The position's token and its `logprobs` most likely alternatives (vLLM's: the sampled
+        token is always there, so `logprobs: 0` answers it alone)."""
+        ids = [token_id, *(t for t in lp.top if t != token_id)]
+        values = [lp.logprob, *(v for t, v in lp.top.items() if t != token_id)]
+        return {s: _finite(v) for s, v in zip(self._strings(ids), values, strict=True)}
+
+    def _prompt_logprobs_out(self) -> PromptLogprobs | None:
+        """vLLM's `prompt_logprobs`: per prompt position its token (with its rank) and the most
+        likely ones (ranks 1, 2, ...), keyed by token id; null for the first position."""
+        if not isinstance(self._request, CompletionRequest) or self._request.prompt_logprobs is None:
+            return None
+        if self._prompt_logprobs is None:
+            return None
+        out: PromptLogprobs = []
+        for token_id, lp in zip(self.prompt_ids, self._prompt_logprobs, strict=True):
+            if lp is None:
+                out.append(None)
+                continue
+            ids = [token_id, *(t for t in lp.top if t != token_id)]
+            ranks: dict[int, int | None] = {t: r for r, t in enumerate(lp.top, start=1)}
+            ranks[token_id] = lp.rank if lp.rank is not None else ranks.get(token_id)
+            values = {token_id: lp.logprob, **lp.top}
+            out.append(
+                {
+                    str(t): PromptLogprob(logprob=_finite(values[t]), rank=ranks.get(t), decoded_token=s)
+                    for t, s in zip(ids, self._strings(ids), strict=True)
+                }
+            )
+        return out
+
+    def _strings(self, token_ids: list[int]) -> list[str]:
+        """Each token as the answer writes it: its text, or `token_id:<id>` when asked."""
+        if self._as_ids:
+            return [f"{TOKEN_ID_PREFIX}{t}" for t in token_ids]
+        return self._tok.token_strings(token_ids)
 
     def _chat_logprobs(self, ids: list[int], logprobs: list[TokenLogprobs]) -> ChatLogprobs | None:
         if not isinstance(self._request, ChatCompletionRequest) or not self._request.logprobs:
             return None
         content = []
-        for s, lp in zip(self._tok.token_strings(ids), logprobs, strict=True):
+        for s, lp in zip(self._strings(ids), logprobs, strict=True):
             top_ids = list(lp.top)
             tops = [
-                TopLogprob(token=t, logprob=v, bytes=list(t.encode()))
-                for t, v in zip(self._tok.token_strings(top_ids), lp.top.values(), strict=True)
+                TopLogprob(token=t, logprob=_finite(v), bytes=list(t.encode()))
+                for t, v in zip(self._strings(top_ids), lp.top.values(), strict=True)
             ]
-            content.append(TokenLogprob(token=s, logprob=lp.logprob, bytes=list(s.encode()), top_logprobs=tops))
+            content.append(
+                TokenLogprob(token=s, logprob=_finite(lp.logprob), bytes=list(s.encode()), top_logprobs=tops)
+            )
         return ChatLogprobs(content=content)
+
+
+def _finite(logprob: float) -> float:
+    return max(logprob, LOWEST_LOGPROB)

@@ -17,7 +17,11 @@ from serve_app.engines.generation import WeightVersionSpan
 MIN_TEMPERATURE = 0.01
 MAX_CHOICES = 128
 """Most choices (`n`) per prompt."""
-MAX_TOP_LOGPROBS = 5
+MAX_TOP_LOGPROBS = 20
+"""Most alternatives per position (`logprobs`, `top_logprobs`, `prompt_logprobs`): vLLM's default
+`max_logprobs`, so a request vLLM's server takes is taken here."""
+TOKEN_ID_PREFIX = "token_id:"
+"""With `return_tokens_as_token_ids`, a logprob's token is written `token_id:<id>` (vLLM's)."""
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
@@ -76,6 +80,15 @@ class SamplingFields(StrictModel):
     """With stream: `include_usage` adds a last chunk carrying `usage`."""
     user: str | None = Field(None, max_length=256)
     """The end user, as the caller names it: accepted (OpenAI clients send it), changes nothing."""
+    return_token_ids: bool | None = None
+    """vLLM's switch for `token_ids` and `prompt_token_ids` in the answer: this app always returns
+    them, so either value is accepted and changes nothing."""
+    return_tokens_as_token_ids: bool = False
+    """Write each logprob's token as `token_id:<id>` instead of its text (vLLM's): exact where a
+    token is not valid text on its own (part of a multi-byte character)."""
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
+    """Only requests with the same salt share prefix-cache blocks (vLLM's and SGLang's); the
+    embedded engine shares no KV between requests, so there it changes nothing."""
 
     @field_validator("temperature")
     @classmethod
@@ -109,9 +122,13 @@ class CompletionRequest(SamplingFields):
     max_tokens: int = Field(16, ge=1)
     """Output tokens per choice; prompt + max_tokens must fit the model's context."""
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    """The sampled token's logprob, plus the `logprobs` most likely tokens' (OpenAI's shape)."""
+    """The sampled token's logprob, plus the `logprobs` most likely tokens' (OpenAI's shape; each
+    position's `top_logprobs` also holds the sampled token, as vLLM's do)."""
     echo: bool = False
     """Prepend the prompt to each choice's text (and, with logprobs, its tokens' logprobs)."""
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    """Each prompt token's logprob and rank, plus the `prompt_logprobs` most likely tokens', in
+    each choice's `prompt_logprobs` (vLLM's shape). Not with `stream` (vLLM's rule)."""
 
     @field_validator("prompt")
     @classmethod
@@ -120,8 +137,21 @@ class CompletionRequest(SamplingFields):
             raise ValueError("a token-id prompt must not be empty")
         return prompt
 
+    @model_validator(mode="after")
+    def _prompt_logprobs_unstreamed(self) -> CompletionRequest:
+        if self.prompt_logprobs and self.stream:
+            raise ValueError("prompt_logprobs are not available with stream: true; ask without streaming")
+        return self
+
     def output_limit(self) -> int | None:
         return self.max_tokens
+
+    def wants_prompt_logprobs(self) -> int | None:
+        """How many alternatives each prompt position needs: `prompt_logprobs`, else `logprobs`
+        when the prompt is echoed (vLLM's rule), else None."""
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
+        return self.logprobs if self.echo else None
 
     def prompts(self) -> list[str] | list[list[int]]:
         """The request's prompts, each a text or a list of token ids."""
@@ -205,11 +235,27 @@ class ChoiceTokens(BaseModel):
     """The stop string or stop token id that ended the choice (null: EOS or length)."""
 
 
+class PromptLogprob(BaseModel):
+    """One token at one prompt position (vLLM's `Logprob`)."""
+
+    logprob: float
+    rank: int | None = None
+    """1: the most likely token at that position; null where the engine does not say."""
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+"""Per prompt position (null for the first): the prompt's token and the most likely ones, keyed
+by token id (vLLM's `prompt_logprobs`)."""
+
+
 class CompletionChoice(ChoiceTokens):
     index: int
     text: str
     finish_reason: FinishReason
     logprobs: CompletionLogprobs | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    """With `prompt_logprobs` asked."""
 
 
 class Usage(BaseModel):
@@ -263,6 +309,8 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     weight_version: int
+    prompt_token_ids: list[int]
+    """The rendered conversation's token ids, where vLLM puts them (each choice has them too)."""
 
 
 # -- streamed chunks ---------------------------------------------------------------------------

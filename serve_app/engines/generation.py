@@ -58,6 +58,9 @@ class GenerateRequest(BaseModel):
     sampling: SamplingSpec
     stream: bool = False
     """The caller consumes deltas as they come; False lets an engine send one final delta."""
+    cache_salt: str | None = None
+    """Only requests with the same salt share prefix-cache blocks (an engine without a prefix
+    cache shared between requests ignores it)."""
 
 
 class TokenLogprobs(BaseModel):
@@ -65,6 +68,9 @@ class TokenLogprobs(BaseModel):
 
     logprob: float
     top: dict[int, float] = Field(default_factory=dict)
+    rank: int | None = None
+    """The token's rank over the whole vocabulary (1: the most likely); None where the engine
+    does not say."""
 
 
 class GenerateDelta(BaseModel):

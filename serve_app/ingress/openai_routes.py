@@ -119,6 +119,7 @@ class OpenAIRoutesMixin:
                 choices=results[0].choices,
                 usage=_usage(results),
                 weight_version=min(c.weight_version for c in results[0].choices),
+                prompt_token_ids=results[0].choices[0].prompt_token_ids,
             )
         )
 

@@ -93,6 +93,7 @@ class GenerationPlane:
                     prompt_token_ids=prompt_ids,
                     sampling=sampling_for(request, job.prompt_index, i, max_tokens),
                     stream=stream,
+                    cache_salt=request.cache_salt,
                 )
             )
         return builders, requests

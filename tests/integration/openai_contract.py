@@ -99,8 +99,12 @@ def test_every_sampling_field_is_taken(oai):
     )
     for c in map(dump, resp.choices):
         assert len(c["token_ids"]) == 10, "min_tokens = max_tokens: nothing ends the choice earlier"
-        # Two alternatives each (keyed by text: ids of partial UTF-8 bytes share one).
-        assert all(len(top) == 2 or "\ufffd" in top for top in c["logprobs"]["top_logprobs"]), c["logprobs"]
+        # Two alternatives each, and the sampled token when it is not one of them (vLLM's shape;
+        # keyed by text: ids of partial UTF-8 bytes share one).
+        lp = c["logprobs"]
+        for token, top in zip(lp["tokens"], lp["top_logprobs"], strict=True):
+            assert len(top) in (2, 3) or "\ufffd" in top, lp
+            assert token in top, "the sampled token is always among top_logprobs"
 
 
 def test_sampling_cuts_that_leave_one_token_are_greedy(oai):
@@ -186,6 +190,53 @@ def test_logprobs_top_five_in_openai_shape(oai):
     assert lp["text_offset"] == sorted(lp["text_offset"])
 
 
+def test_vllm_fields_token_ids_as_tokens_and_prompt_logprobs(oai):
+    """The fields vLLM's clients send (TRL's generate and get_sequence_logprobs, SkyRL's salt),
+    answered in vLLM's shapes (docs/http_api.md#vllm-request-fields)."""
+    extra = {"return_token_ids": True, "return_tokens_as_token_ids": True, "cache_salt": "version-0"}
+    c = dump(
+        oai.completions.create(
+            model="tiny-llama",
+            prompt="The quick brown fox jumps",
+            max_tokens=5,
+            temperature=0,
+            logprobs=0,
+            extra_body={**extra, "prompt_logprobs": 3},
+        ).choices[0]
+    )
+    lp = c["logprobs"]
+    assert lp["tokens"] == [f"token_id:{t}" for t in c["token_ids"]]
+    # logprobs 0: each position's top_logprobs holds the sampled token alone, as vLLM answers.
+    sampled = zip(c["token_ids"], lp["token_logprobs"], strict=True)
+    assert lp["top_logprobs"] == [{f"token_id:{t}": v} for t, v in sampled]
+    prompt, plp = c["prompt_token_ids"], c["prompt_logprobs"]
+    assert len(plp) == len(prompt) and plp[0] is None
+    for token, position in zip(prompt[1:], plp[1:], strict=True):
+        own = position[str(token)]
+        assert own["decoded_token"] == f"token_id:{token}" and own["rank"] >= 1
+        by_rank = sorted(position.values(), key=lambda e: e["rank"])
+        assert [e["rank"] for e in by_rank][:3] == [1, 2, 3], position
+        assert [e["logprob"] for e in by_rank] == sorted((e["logprob"] for e in by_rank), reverse=True)
+        assert (own["rank"] == 1) == (own["logprob"] == by_rank[0]["logprob"])
+        assert len(position) in (3, 4), "the top 3, and the prompt's token when it is not among them"
+    # The same values as the echoed prompt's logprobs.
+    echoed = dump(
+        oai.completions.create(
+            model="tiny-llama", prompt=prompt, max_tokens=1, temperature=0, echo=True, logprobs=0
+        ).choices[0]
+    )["logprobs"]["token_logprobs"][: len(prompt)]
+    assert echoed[0] is None
+    for token, position, value in zip(prompt[1:], plp[1:], echoed[1:], strict=True):
+        assert position[str(token)]["logprob"] == pytest.approx(value, abs=1e-4)
+
+
+def test_prompt_logprobs_are_not_streamed(http):
+    body = {"model": "tiny-llama", "prompt": "One two", "max_tokens": 2, "stream": True, "prompt_logprobs": 1}
+    resp = http.post("/v1/completions", json=body)
+    assert resp.status_code == 422, resp.text
+    assert "prompt_logprobs" in resp.text and "stream" in resp.text, resp.text
+
+
 def test_echo_prepends_the_prompt_with_its_logprobs(oai):
     prompt = "The quick brown fox"
     c = dump(
@@ -252,6 +303,7 @@ def test_chat_with_the_template(oai, tok):
         assert all(len(t["top_logprobs"]) == 3 for t in c["logprobs"]["content"])
         spans_cover(c)
     assert resp.usage.prompt_tokens == len(rendered)
+    assert dump(resp)["prompt_token_ids"] == list(rendered), "where vLLM's chat answer puts them"
     streamed = oai.chat.completions.create(
         model="tiny-llama", messages=messages, max_tokens=8, temperature=0, stream=True
     )

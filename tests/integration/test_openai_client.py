@@ -24,10 +24,12 @@ from openai_contract import (  # noqa: F401 - collected here, on the embedded en
     test_logprobs_top_five_in_openai_shape,
     test_models_list,
     test_n_group_each_choice_its_own_tokens,
+    test_prompt_logprobs_are_not_streamed,
     test_sampling_cuts_that_leave_one_token_are_greedy,
     test_stop_strings_cut_the_text_and_keep_the_tokens,
     test_stop_token_ids_ignore_eos_and_min_tokens,
     test_streaming_matches_the_full_answer_and_reports_usage,
+    test_vllm_fields_token_ids_as_tokens_and_prompt_logprobs,
 )
 from transformers import AutoTokenizer
 
@@ -67,7 +69,7 @@ def test_chat_multi_turn_continues_the_context(oai):
     [
         ({"prompt": "x", "max_tokens": 100_000}, "context"),
         ({"prompt": "x", "n": 1000}, "n"),
-        ({"prompt": "x", "logprobs": 6}, "logprobs"),
+        ({"prompt": "x", "logprobs": 21}, "logprobs"),
         ({"prompt": "x", "best_of": 2}, "best_of"),
         ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
         ({"prompt": "x", "min_tokens": 20, "max_tokens": 5}, "min_tokens"),

@@ -222,7 +222,7 @@ def test_weights_update_rejects_malformed_input(app, http, base_weights):
         ({}, "prompt"),
         ({"prompt": "hi", "n": 0}, "n"),
         ({"prompt": "hi", "stream": "maybe"}, "stream"),
-        ({"prompt": "hi", "logprobs": 6}, "logprobs"),
+        ({"prompt": "hi", "logprobs": 21}, "logprobs"),
         ({"prompt": [[1, 2], []]}, "prompt"),
         ({"prompt": "hi", "stop": [""]}, "stop"),
         ({"prompt": "hi", "top_k": -2}, "top_k"),

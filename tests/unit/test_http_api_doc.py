@@ -31,6 +31,8 @@ def test_reference_covers_every_route_of_the_ingress():
         "POST /weights/update",
         "GET /v1/models",
         "POST /v1/completions",
+        "GET /get_world_size",
+        "GET /server_info",
         "GET /health",
         "GET /metrics",
     } <= routes

@@ -213,6 +213,8 @@ class GenerateBody(_Request):
     """The most likely tokens' logprobs per position, output and prompt alike."""
     logprob_start_len: int | None = None
     """0: also every prompt token's logprob (the first is null); SGLang's default -1: none."""
+    cache_salt: str | None = None
+    """Only requests with the same salt share radix-cache prefixes."""
 
 
 class FinishReason(_Answer):
@@ -306,7 +308,7 @@ def parse_sse_line(line: str) -> Any:
     parsed JSON, `_DONE` for `data: [DONE]`, None for a line that carries no data."""
     if not line.startswith("data:"):
         return None
-    data = line[len("data:"):].strip()
+    data = line[len("data:") :].strip()
     if data == "[DONE]":
         return _DONE
     try:

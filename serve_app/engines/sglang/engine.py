@@ -317,6 +317,7 @@ def generate_body(request: GenerateRequest) -> GenerateBody:
         return_logprob=asks_logprobs,
         top_logprobs_num=top if top else None,
         logprob_start_len=0 if s.prompt_logprobs is not None else None,
+        cache_salt=request.cache_salt,
     )
 
 

@@ -111,13 +111,17 @@ def top_logprobs(logprobs: torch.Tensor, token_ids: Sequence[int], ks: Sequence[
     if not token_ids:
         return []
     chosen = torch.tensor(list(token_ids), dtype=torch.long).unsqueeze(1)
-    own = logprobs.gather(1, chosen).squeeze(1).tolist()
+    own_t = logprobs.gather(1, chosen)
+    own = own_t.squeeze(1).tolist()
+    ranks = ((logprobs > own_t).sum(dim=1) + 1).tolist()  # vLLM's rank: 1 + the tokens more likely
     ks = [min(k, logprobs.shape[-1]) for k in ks]
     values, ids = logprobs.topk(max(ks)) if max(ks) > 0 else (logprobs[:, :0], logprobs[:, :0])
     values_l, ids_l = values.tolist(), ids.tolist()
     return [
         TokenLogprobs(
-            logprob=own[j], top={int(t): float(v) for t, v in zip(ids_l[j][:k], values_l[j][:k], strict=True)}
+            logprob=own[j],
+            top={int(t): float(v) for t, v in zip(ids_l[j][:k], values_l[j][:k], strict=True)},
+            rank=int(ranks[j]),
         )
         for j, k in enumerate(ks)
     ]

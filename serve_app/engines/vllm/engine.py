@@ -109,6 +109,7 @@ def _token_logprobs(logprobs: SampleLogprobs | PromptLogprobs | None, k: int) ->
         TokenLogprobs.model_construct(
             logprob=lps[s],
             top={t: lp for t, lp, r in zip(ids[s:e], lps[s:e], ranks[s:e], strict=True) if r is not None and r <= k},
+            rank=ranks[s],
         )
         for s, e in zip(flat.start_indices, flat.end_indices, strict=True)
     ]
@@ -387,8 +388,11 @@ class VllmEngine(EngineAdapter):
         from vllm.inputs import TokensPrompt
 
         spec = request.sampling
+        prompt = TokensPrompt(prompt_token_ids=request.prompt_token_ids)
+        if request.cache_salt is not None:
+            prompt["cache_salt"] = request.cache_salt
         outputs = self._llm.generate(
-            TokensPrompt(prompt_token_ids=request.prompt_token_ids),
+            prompt,
             vllm_sampling_params(spec, request.stream),
             request_id=uuid.uuid4().hex,
         )

@@ -710,9 +710,9 @@ def test_sglang_generate_body_maps_every_sampling_field():
         prompt_logprobs=4,
         include_stop_str_in_output=True,
     )
-    sent = generate_body(GenerateRequest(prompt_token_ids=[1, 2, 3], sampling=spec, stream=True)).model_dump(
-        exclude_none=True
-    )
+    sent = generate_body(
+        GenerateRequest(prompt_token_ids=[1, 2, 3], sampling=spec, stream=True, cache_salt="v7")
+    ).model_dump(exclude_none=True)
     assert sent == {
         "input_ids": [1, 2, 3],
         "sampling_params": {
@@ -735,6 +735,7 @@ def test_sglang_generate_body_maps_every_sampling_field():
         "return_logprob": True,
         "top_logprobs_num": 4,  # one count in SGLang for output and prompt: the larger, each cut to its own
         "logprob_start_len": 0,
+        "cache_salt": "v7",  # SGLang's own field (GenerateReqInput.cache_salt)
     }
 
 

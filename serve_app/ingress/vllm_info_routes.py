@@ -1,0 +1,76 @@
+"""/get_world_size and /server_info: the read-only routes of vLLM's server that RL frameworks'
+clients call before they generate (TRL's `VLLMClient`, SkyRL's), with vLLM 0.33's shapes and the
+app's meanings (docs/http_api.md#vllm-routes).
+
+vLLM answers for one server: its workers (tensor x pipeline parallel) and its data-parallel
+copies. Here each rollout replica is one data-parallel copy, and its workers are the members it
+puts in a collective weight transfer (`transfer_ranks`, one per engine worker).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel
+from ray.serve.handle import DeploymentHandle
+
+from serve_app.api import StatusResponse
+from serve_app.engines.options import EngineOptions
+
+
+class WorldSize(BaseModel):
+    world_size: int
+    """Engine workers: of every replica (`include_dp`), or of one."""
+
+
+class ServerInfo(BaseModel):
+    """vLLM's `/server_info`: `vllm_config` holds the app's answers in vLLM's config keys (a
+    summary, not a vLLM config: the app has no other), as JSON or as text."""
+
+    vllm_config: dict[str, Any] | str
+    vllm_env: dict[str, str]
+    system_env: dict[str, str]
+
+
+class VllmInfoRoutesMixin:
+    controller: DeploymentHandle
+    model_name: str
+    engine_options: EngineOptions
+    num_replicas: int
+
+    ENDPOINTS: ClassVar[dict[str, Callable[[Any], Any]]] = {
+        "get_world_size": lambda app: app.get("/get_world_size", tags=["vllm"]),
+        "server_info": lambda app: app.get("/server_info", tags=["vllm"]),
+    }
+
+    async def get_world_size(self, include_dp: bool = True) -> WorldSize:
+        """Engine workers over every replica (each replica a data-parallel copy, as vLLM counts
+        data parallelism), or, with `include_dp=false`, of one replica."""
+        ranks = await self._ranks()
+        return WorldSize(world_size=sum(ranks) if include_dp else max(ranks))
+
+    async def server_info(self, config_format: Literal["text", "json"] = "text") -> ServerInfo:
+        """The served model and the parallel layout under vLLM's config keys; no weight-transfer
+        engine (`weight_transfer_config` null): weights move through `/weights/update`, so a
+        client that asks for vLLM's NCCL weight-transfer engine is told it is not there."""
+        ranks = await self._ranks()
+        config = {
+            "model_config": {"model": self.model_name, "served_model_name": self.model_name},
+            "parallel_config": {
+                "data_parallel_size": len(ranks),
+                "world_size": max(ranks),
+                "world_size_across_dp": sum(ranks),
+            },
+            "weight_transfer_config": None,
+            "engine": self.engine_options.engine,
+        }
+        return ServerInfo(
+            vllm_config=config if config_format == "json" else json.dumps(config), vllm_env={}, system_env={}
+        )
+
+    async def _ranks(self) -> list[int]:
+        """Each running replica's engine workers (one where a replica does not say)."""
+        status: StatusResponse = await self.controller.status.remote()
+        return [r.transfer_ranks or 1 for r in status.replicas] or [1] * self.num_replicas
