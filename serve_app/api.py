@@ -225,6 +225,13 @@ class UpdateWeightsResponse(BaseModel):
     )
 
 
+class ResetPrefixCacheResponse(BaseModel):
+    """vLLM's `/reset_prefix_cache` answer, with each replica's report."""
+
+    success: bool = Field(description="Every replica's engine emptied its prefix cache.")
+    replicas: list[ReplicaReport]
+
+
 class StatusResponse(BaseModel):
     state: Literal["idle", "profiling"]
     active_step: int | None

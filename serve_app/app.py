@@ -21,7 +21,7 @@ from serve_app.ingress.http_options import serve_http_options
 from serve_app.ingress.openai_routes import OpenAIRoutesMixin
 from serve_app.ingress.ops_routes import OpsRoutesMixin
 from serve_app.ingress.profile_routes import ProfileRoutesMixin
-from serve_app.ingress.vllm_info_routes import VllmInfoRoutesMixin
+from serve_app.ingress.vllm_routes import VllmRoutesMixin
 from serve_app.ingress.weight_routes import WeightRoutesMixin
 from serve_app.replica import RolloutReplica
 
@@ -32,7 +32,7 @@ CONTROLLER_MAX_ONGOING = 1024
 """Control calls the controller takes at once: from every ingress and every replica, never generation."""
 
 
-class _Ingress(ProfileRoutesMixin, WeightRoutesMixin, OpenAIRoutesMixin, VllmInfoRoutesMixin, OpsRoutesMixin):
+class _Ingress(ProfileRoutesMixin, WeightRoutesMixin, OpenAIRoutesMixin, VllmRoutesMixin, OpsRoutesMixin):
     """An ingress replica: the HTTP routes. Generation goes to the rollout replicas by the load
     balancer; every control call goes to the controller (docs/design.md#control-path), so any
     number of ingress replicas share one control plane."""
@@ -56,7 +56,7 @@ RolloutIngress = make_ingress(
         **ProfileRoutesMixin.ENDPOINTS,
         **WeightRoutesMixin.ENDPOINTS,
         **OpenAIRoutesMixin.ENDPOINTS,
-        **VllmInfoRoutesMixin.ENDPOINTS,
+        **VllmRoutesMixin.ENDPOINTS,
         **OpsRoutesMixin.ENDPOINTS,
     },
 )

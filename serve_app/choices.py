@@ -122,7 +122,7 @@ class ChoiceBuilder:
         replica's weight version, for a delta whose engine does not say."""
         self._tok = tokenizer
         self._request = request
-        self._as_ids = request.return_tokens_as_token_ids
+        self._as_ids = bool(request.return_tokens_as_token_ids)
         self._chat = isinstance(request, ChatCompletionRequest)
         self.index = index
         self.prompt_ids = prompt_ids

@@ -27,6 +27,7 @@ from serve_app.api import (
     ClockResponse,
     EngineRpcReport,
     InClusterWeightsRequest,
+    ResetPrefixCacheResponse,
     StartProfileRequest,
     StartProfileResponse,
     StatusResponse,
@@ -123,6 +124,12 @@ class RolloutController:
     ) -> list[EngineRpcReport]:
         # Not shielded: a trainer's own RPC, which the trainer alone knows how to repeat or undo.
         return await self.weights.engine_rpc(method, args, kwargs, timeout_s)
+
+    async def reset_prefix_cache(self, reset_running_requests: bool, reset_external: bool) -> ResetPrefixCacheResponse:
+        """Empty every replica's engine prefix cache (a client's call; every weight switch does it
+        on its own)."""
+        reports = await self._fleet.broadcast("reset_prefix_cache", reset_running_requests, reset_external)
+        return ResetPrefixCacheResponse(success=bool(reports) and all(r.ok for r in reports), replicas=reports)
 
     # -- what replicas and ingresses ask ----------------------------------------------------------
     async def desired_state(self) -> DesiredState:

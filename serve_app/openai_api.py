@@ -23,6 +23,9 @@ MAX_TOP_LOGPROBS = 20
 TOKEN_ID_PREFIX = "token_id:"
 """With `return_tokens_as_token_ids`, a logprob's token is written `token_id:<id>` (vLLM's)."""
 MAX_STOP_STRINGS = 16
+MAX_CACHE_SALT_CHARS = 128
+CACHE_SALT_FORBIDDEN = frozenset("@/\\\x00")
+"""Characters vLLM 0.33 refuses in a `cache_salt` (it keys cache backends with it)."""
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
 
@@ -83,12 +86,20 @@ class SamplingFields(StrictModel):
     return_token_ids: bool | None = None
     """vLLM's switch for `token_ids` and `prompt_token_ids` in the answer: this app always returns
     them, so either value is accepted and changes nothing."""
-    return_tokens_as_token_ids: bool = False
+    return_tokens_as_token_ids: bool | None = None
     """Write each logprob's token as `token_id:<id>` instead of its text (vLLM's): exact where a
-    token is not valid text on its own (part of a multi-byte character)."""
-    cache_salt: str | None = Field(None, min_length=1, max_length=256)
+    token is not valid text on its own (part of a multi-byte character). Null: no."""
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     """Only requests with the same salt share prefix-cache blocks (vLLM's and SGLang's); the
-    embedded engine shares no KV between requests, so there it changes nothing."""
+    embedded engine shares no KV between requests, so there it changes nothing. vLLM's rules:
+    at most 128 characters, none of `@`, `/`, `\\` or NUL."""
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _salt_as_vllm_takes_it(cls, salt: str | None) -> str | None:
+        if salt is not None and any(c in CACHE_SALT_FORBIDDEN for c in salt):
+            raise ValueError("cache_salt must not contain '@', '/', '\\' or NUL (vLLM's rule)")
+        return salt
 
     @field_validator("temperature")
     @classmethod
@@ -309,8 +320,9 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     weight_version: int
-    prompt_token_ids: list[int]
-    """The rendered conversation's token ids, where vLLM puts them (each choice has them too)."""
+    prompt_token_ids: list[int] | None = None
+    """The rendered conversation's token ids, where vLLM puts them (each choice has them too;
+    null from an app that predates them)."""
 
 
 # -- streamed chunks ---------------------------------------------------------------------------

@@ -108,6 +108,14 @@ class EngineAdapter(ABC):
         there was nothing to do."""
         return False
 
+    async def reset_prefix_cache(self, reset_running_requests: bool, reset_external: bool) -> bool:
+        """Empty the engine's prefix cache on a client's request (vLLM's `/reset_prefix_cache`;
+        the controller empties it at every weight switch on its own): False when the engine
+        refuses, as while requests in flight hold cached blocks and `reset_running_requests`
+        (preempt them) is off; `reset_external`: a KV connector's cache too. True by default: an
+        engine that shares no KV between requests holds nothing to empty."""
+        return True
+
     def pass_counts(self) -> PassCounts | None:
         """The forward passes run and recorded, by weight version (None: the engine does not
         count them). Read right after a weight load, for the version it replaced."""

@@ -237,6 +237,10 @@ class EngineController(WeightControl):
         """Members this engine puts in a collective weight transfer's group."""
         return self.adapter.transfer_ranks
 
+    async def reset_prefix_cache(self, reset_running_requests: bool, reset_external: bool) -> bool:
+        """Empty the engine's prefix cache on a client's request; False: the engine refused."""
+        return await self.adapter.reset_prefix_cache(reset_running_requests, reset_external)
+
     def status(self) -> EngineStatus:
         return EngineStatus(
             state=self._session.state,

@@ -6,8 +6,9 @@ come from.
 * An app whose HTTP port listens beyond loopback refuses to start without a token: anyone who
   reaches the port could otherwise ratchet the served version, hold generation or block the
   trainer's steps.
-* An app bound to loopback answers only requests that address it by a loopback name: a page in
-  a browser on the same machine cannot reach it through DNS rebinding.
+* An app bound to loopback answers only requests that address it by a loopback name (or as
+  0.0.0.0, `UNSPECIFIED_HOSTS`): a page in a browser on the same machine cannot reach it through
+  DNS rebinding.
 """
 
 from __future__ import annotations
@@ -18,6 +19,13 @@ from fastapi import Header, HTTPException
 
 from serve_app.ingress.settings import current
 from serve_app.net import is_loopback
+
+UNSPECIFIED_HOSTS = frozenset({"0.0.0.0", "::"})
+"""Host names the loopback guard accepts besides loopback ones: a client on this machine that
+addresses the app as 0.0.0.0 reaches it on loopback (TRL's `VLLMClient` and GRPOConfig default
+to host 0.0.0.0). A rebinding page sends its own name as Host, never these, and browsers have
+refused to send any request to 0.0.0.0 since 2024, so the guard against DNS rebinding holds.
+Never a reason to treat a *bound* 0.0.0.0 as loopback (`check_exposure`)."""
 
 
 class AccessError(ValueError):
@@ -41,11 +49,11 @@ async def require_loopback_host(host: str | None = Header(None, include_in_schem
     if not current().access.loopback_only:
         return
     name = _host_name(host or "")
-    if not is_loopback(name):
+    if not is_loopback(name) and name not in UNSPECIFIED_HOSTS:
         raise HTTPException(
             status_code=403,
             detail=f"Host {name!r} is not a loopback name: this app listens on loopback only and answers "
-            "requests to localhost or 127.0.0.1 (a guard against DNS rebinding)",
+            "requests to localhost, 127.0.0.1 or 0.0.0.0 (a guard against DNS rebinding)",
         )
 
 

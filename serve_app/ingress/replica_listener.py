@@ -23,12 +23,12 @@ from serve_app.ingress.listener import InProcess, Listener, bind
 from serve_app.ingress.openai_routes import OpenAIRoutesMixin
 from serve_app.ingress.ops_routes import OpsRoutesMixin
 from serve_app.ingress.profile_routes import ProfileRoutesMixin
-from serve_app.ingress.vllm_info_routes import VllmInfoRoutesMixin
+from serve_app.ingress.vllm_routes import VllmRoutesMixin
 from serve_app.ingress.weight_routes import WeightRoutesMixin
 from serve_app.limits import RequestLimits
 
 
-class _ReplicaRoutes(ProfileRoutesMixin, WeightRoutesMixin, OpenAIRoutesMixin, VllmInfoRoutesMixin, OpsRoutesMixin):
+class _ReplicaRoutes(ProfileRoutesMixin, WeightRoutesMixin, OpenAIRoutesMixin, VllmRoutesMixin, OpsRoutesMixin):
     def __init__(self, replica: object, controller: DeploymentHandle, args: AppArgs):
         self.replicas = InProcess(replica)  # type: ignore[assignment]  # the handle's call shape
         self.controller = controller
@@ -49,7 +49,7 @@ def replica_app(replica: object, controller: DeploymentHandle, args: AppArgs) ->
         ProfileRoutesMixin.ENDPOINTS,
         WeightRoutesMixin.ENDPOINTS,
         OpenAIRoutesMixin.ENDPOINTS,
-        VllmInfoRoutesMixin.ENDPOINTS,
+        VllmRoutesMixin.ENDPOINTS,
         OpsRoutesMixin.ENDPOINTS,
     ):
         for name, route in endpoints.items():

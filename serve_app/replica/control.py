@@ -200,6 +200,19 @@ class ControlPlane:
             f"engine rpc {method} failed", call(), lambda result: {"result": result}, kind=EngineRpcReport
         )
 
+    async def reset_prefix_cache(self, reset_running_requests: bool, reset_external: bool) -> ReplicaReport:
+        """Empty the engine's prefix cache; the engine's refusal is the report's error."""
+        refused = {
+            "error": "the engine refused to empty its prefix cache: requests in flight hold cached blocks "
+            "(vLLM: ask with reset_running_requests=true to preempt them; SGLang: once they end)",
+            **Outcome.REFUSED.flags(),
+        }
+        return await self._control(
+            "prefix cache reset failed",
+            self.engine.reset_prefix_cache(reset_running_requests, reset_external),
+            lambda done: {} if done else refused,
+        )
+
     async def status(self) -> ReplicaReport:
         """This replica's state."""
         return self._report()

@@ -142,6 +142,10 @@ def test_a_request_to_another_host_name_is_refused(app, answers):
             r = c.get(path, headers={"Host": "attacker.example"})
             refused(r, 403, answers, "loopback")
         assert c.get("/v1/models", headers={"Host": "localhost:8000"}).status_code == 200
+        # TRL's VLLMClient and GRPOConfig default to host 0.0.0.0: a local client, not a rebinding page.
+        for host in ("0.0.0.0:8000", "[::]:8000"):
+            assert c.get("/v1/models", headers={"Host": host}).status_code == 200, host
+        refused(c.get("/v1/models", headers={"Host": "0.0.0.0.attacker.example"}), 403, answers, "loopback")
 
 
 # -- control calls -----------------------------------------------------------------------------

@@ -74,6 +74,9 @@ def test_chat_multi_turn_continues_the_context(oai):
         ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
         ({"prompt": "x", "min_tokens": 20, "max_tokens": 5}, "min_tokens"),
         ({"prompt": "x", "top_p": 0}, "top_p"),
+        ({"prompt": "x", "cache_salt": "version/1"}, "cache_salt"),
+        ({"prompt": "x", "cache_salt": "s" * 129}, "cache_salt"),
+        ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
     ],
 )
 def test_refusals_name_the_field(http, body, named):

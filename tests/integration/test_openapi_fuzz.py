@@ -45,6 +45,7 @@ OPERATIONS: dict[tuple[str, str], int] = {
     ("POST", "/v1/chat/completions"): 40,
     ("GET", "/get_world_size"): 5,
     ("GET", "/server_info"): 5,
+    ("POST", "/reset_prefix_cache"): 10,
     ("GET", "/profile/status"): 15,
     ("GET", "/profile/clock"): 15,
     ("POST", "/profile/start"): 60,

@@ -1,16 +1,22 @@
-"""TRL's own client (`trl.generation.vllm_client.VLLMClient`, trl 1.16.0: what GRPOTrainer's
-`vllm_mode="server"` drives a vLLM server with) against the app on the embedded engine, with no
-change on TRL's side (docs/http_api.md#vllm-request-fields, docs/http_api.md#vllm-routes)."""
+"""TRL's own client against the app on the embedded engine (docs/frameworks/trl.md): the TRL
+contract (trl_contract.py), TRL's default host, and the world size of a 2-replica app."""
 
 from __future__ import annotations
 
+from urllib.parse import urlsplit
+
 import pytest
-from transformers import AutoTokenizer
 from trl.generation.vllm_client import VLLMClient
+from trl_contract import (  # noqa: F401 - collected here, on the embedded engine
+    test_trl_chat_answers_with_the_rendered_prompt_and_logprobs,
+    test_trl_generate_takes_every_sampling_field_and_ranks_the_alternatives,
+    test_trl_generate_text_and_token_id_prompts_with_n_and_the_sampled_tokens_logprob,
+    test_trl_nccl_weight_sync_is_refused_with_trls_own_message,
+    test_trl_reset_prefix_cache,
+    test_trl_sequence_logprobs_score_what_generate_sampled,
+)
 
 pytestmark = pytest.mark.integration
-
-PROMPTS = ["The quick brown fox", "One two three four"]
 
 
 @pytest.fixture(scope="module")
@@ -18,66 +24,11 @@ def trl(app) -> VLLMClient:
     return VLLMClient(base_url=app.base_url, connection_timeout=60)
 
 
-def test_trl_connects_and_finds_the_served_model(trl):
+def test_trl_connects_and_finds_the_served_model(trl, app):
     assert trl.model == "tiny-llama"
-
-
-def test_trl_generate_text_and_token_id_prompts_with_n_and_the_sampled_tokens_logprob(trl):
-    out = trl.generate(PROMPTS, n=2, temperature=0.0, max_tokens=4, logprobs=0)
-    assert len(out["prompt_ids"]) == len(PROMPTS) and len(out["completion_ids"]) == 2 * len(PROMPTS)
-    assert all(len(c) == 4 for c in out["completion_ids"])
-    # logprobs 0: each position has the sampled token alone, as vLLM answers.
-    for ids, lps, lp_ids in zip(out["completion_ids"], out["logprobs"], out["logprob_token_ids"], strict=True):
-        assert lp_ids == [[t] for t in ids]
-        assert all(len(p) == 1 and p[0] <= 0 for p in lps)
-    again = trl.generate(out["prompt_ids"], n=2, temperature=0.0, max_tokens=4, logprobs=0)
-    assert again["prompt_ids"] == out["prompt_ids"], "token-id prompts come back as sent"
-    assert again["completion_ids"] == out["completion_ids"], "greedy: the same tokens from the same prompt"
-
-
-def test_trl_generate_takes_every_sampling_field_and_ranks_the_alternatives(trl):
-    out = trl.generate(
-        PROMPTS[:1],
-        n=3,
-        temperature=0.9,
-        top_p=0.95,
-        top_k=20,
-        min_p=0.01,
-        repetition_penalty=1.1,
-        max_tokens=6,
-        logprobs=2,
-        generation_kwargs={"seed": 7, "presence_penalty": 0.1},
-    )
-    assert len(out["completion_ids"]) == 3
-    for ids, lps, lp_ids in zip(out["completion_ids"], out["logprobs"], out["logprob_token_ids"], strict=True):
-        for token, values, alternatives in zip(ids, lps, lp_ids, strict=True):
-            assert token in alternatives, "the sampled token is always there"
-            assert len(alternatives) in (2, 3) and values == sorted(values, reverse=True)
-    seeded = trl.generate(PROMPTS[:1], n=3, temperature=0.9, max_tokens=6, generation_kwargs={"seed": 7})
-    assert seeded == trl.generate(PROMPTS[:1], n=3, temperature=0.9, max_tokens=6, generation_kwargs={"seed": 7})
-
-
-def test_trl_chat_answers_with_the_rendered_prompt_and_logprobs(trl, model_dir):
-    messages = [[{"role": "user", "content": "Red green blue"}], [{"role": "user", "content": "One two"}]]
-    out = trl.chat(messages, temperature=0.0, max_tokens=5, logprobs=1)
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    for conversation, prompt in zip(messages, out["prompt_ids"], strict=True):
-        rendered = tok.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True, return_dict=True)
-        assert prompt == list(rendered["input_ids"])
-    for ids, lp_ids in zip(out["completion_ids"], out["logprob_token_ids"], strict=True):
-        assert len(ids) == 5 and all(t in alternatives for t, alternatives in zip(ids, lp_ids, strict=True))
-
-
-def test_trl_sequence_logprobs_score_what_generate_sampled(trl):
-    """get_sequence_logprobs (knowledge distillation's teacher scores) through `prompt_logprobs`:
-    the tokens generate chose greedily score as generate reported them, and rank first."""
-    out = trl.generate(PROMPTS[:1], temperature=0.0, max_tokens=5, logprobs=0)
-    prompt, completion = out["prompt_ids"][0], out["completion_ids"][0]
-    scored = trl.get_sequence_logprobs([prompt + completion], [len(prompt)], top_logprobs=3)
-    actual = [p[0] for p in scored["actual_logprobs"][0]]
-    assert actual == pytest.approx([p[0] for p in out["logprobs"][0]], abs=1e-4)
-    assert [ids[0] for ids in scored["logprob_token_ids"][0]] == completion, "greedy tokens rank first"
-    assert all(len(ids) == 3 for ids in scored["logprob_token_ids"][0])
+    # TRL's default host, 0.0.0.0, passes the loopback Host guard.
+    port = urlsplit(app.base_url).port
+    assert VLLMClient(host="0.0.0.0", server_port=port, connection_timeout=10).model == "tiny-llama"
 
 
 def test_trl_world_size_and_server_info(trl):
@@ -85,8 +36,3 @@ def test_trl_world_size_and_server_info(trl):
     info = trl.get_server_info()
     assert info["weight_transfer_config"] is None
     assert info["parallel_config"]["data_parallel_size"] == 2
-
-
-def test_trl_nccl_weight_sync_is_refused_with_trls_own_message(trl):
-    with pytest.raises(RuntimeError, match="has no weight-transfer engine"):
-        trl.init_communicator(device="cpu")

@@ -34,6 +34,15 @@ from openai_contract import (  # noqa: F401 - collected here, on vLLM
 )
 from support.apps import deployed
 from transformers import AutoTokenizer
+from trl.generation.vllm_client import VLLMClient
+from trl_contract import (  # noqa: F401 - collected here, on vLLM
+    test_trl_chat_answers_with_the_rendered_prompt_and_logprobs,
+    test_trl_generate_takes_every_sampling_field_and_ranks_the_alternatives,
+    test_trl_generate_text_and_token_id_prompts_with_n_and_the_sampled_tokens_logprob,
+    test_trl_nccl_weight_sync_is_refused_with_trls_own_message,
+    test_trl_reset_prefix_cache,
+    test_trl_sequence_logprobs_score_what_generate_sampled,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -63,6 +72,11 @@ def vllm_app(ray_cluster, model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def oai(vllm_app) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{vllm_app.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def trl(vllm_app) -> VLLMClient:
+    return VLLMClient(base_url=vllm_app.base_url, connection_timeout=60)
 
 
 HTTP = HttpOptions(app="vllm_app", timeout=120.0)
@@ -152,3 +166,28 @@ def test_weight_sync_mid_stream_splits_vllms_spans(vllm_app, http):
         if seen + len(p["token_ids"]) <= before and p["token_ids"]:
             assert p["weight_version"] == now, p
         seen += len(p["token_ids"])
+
+
+def test_trl_world_size_is_the_one_engines_workers(trl):
+    assert trl.get_world_size() == 1
+    assert trl.get_server_info()["parallel_config"]["data_parallel_size"] == 1
+
+
+def test_a_prefix_cache_reset_refused_while_a_request_holds_blocks_unless_it_preempts(http):
+    """vLLM's rule, answered as vLLM's server does: with a request running, a plain reset is
+    refused (success false, the replica's error naming the way out); with
+    reset_running_requests the request is preempted, the cache emptied, and the request still
+    completes whole."""
+    body = {"prompt": "One two three", "max_tokens": LONG, "temperature": 0, "ignore_eos": True, "stream": True}
+    with http.stream("POST", "/v1/completions", json=body) as stream:
+        pieces = (json.loads(line[6:]) for line in stream.iter_lines() if line.startswith("data: {"))
+        tokens = list(next(pieces)["choices"][0]["token_ids"])  # the request runs in vLLM now
+        refused = ok(http.post("/reset_prefix_cache"))
+        assert refused["success"] is False
+        assert "reset_running_requests" in refused["replicas"][0]["error"], refused
+        done = ok(http.post("/reset_prefix_cache", params={"reset_running_requests": True}))
+        assert done["success"] is True, done
+        for piece in pieces:
+            tokens += piece["choices"][0]["token_ids"]
+    assert len(tokens) == LONG, "the preempted request still completes whole"
+    assert ok(http.post("/reset_prefix_cache"))["success"] is True, "nothing runs: a plain reset empties it"

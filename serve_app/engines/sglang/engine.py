@@ -482,6 +482,12 @@ class SglangEngine(EngineAdapter):
             await self._flush_cache("before generation resumes on the weights the trainer moved (it stays paused)")
         await self._client.call("/continue_generation", ContinueGenerationBody())
 
+    async def reset_prefix_cache(self, reset_running_requests: bool, reset_external: bool) -> bool:
+        # SGLang's flush has no preempting form: it refuses (400) while a request runs, whatever
+        # the caller asks; it keeps no external cache.
+        resp = await self._client.call("/flush_cache", accept=(400,))
+        return resp.status_code != 400
+
     async def _flush_cache(self, when: str) -> None:
         """Empty SGLang's radix cache while generation is paused, `when` naming the moment for the
         error (docs/sglang.md#the-radix-cache-across-a-weight-update). SglangError when SGLang

@@ -453,6 +453,12 @@ class VllmEngine(EngineAdapter):
             )
         self._stale_cache = False
 
+    async def reset_prefix_cache(self, reset_running_requests: bool, reset_external: bool) -> bool:
+        reset = await self._llm.reset_prefix_cache(
+            reset_running_requests=reset_running_requests, reset_connector=reset_external
+        )
+        return bool(reset)
+
     async def read_weights(self, path: Path) -> Path:
         return path
 

@@ -365,6 +365,21 @@ async def until_decoding(scheduler: Scheduler, requests: int) -> None:
         await asyncio.sleep(0.01)
 
 
+async def test_a_clients_prefix_cache_reset_is_sglangs_flush_refused_while_a_request_runs(fake, engine):
+    """vLLM's /reset_prefix_cache on SGLang: its /flush_cache, which answers 400 while a request
+    runs, whatever the caller asks (SGLang cannot preempt for it); then a refusal, not an error."""
+    url, scheduler = fake
+    scheduler.step_delay_s = 0.02  # keeps the request running while the reset is asked
+    async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+        running = asyncio.create_task(http.post("/generate", json={"input_ids": [5, 6], "sampling_params": {
+            "max_new_tokens": 60, "temperature": 0.0, "ignore_eos": True}}))  # fmt: skip
+        await until_decoding(scheduler, 1)
+        assert await engine.reset_prefix_cache(True, False) is False
+        scheduler.step_delay_s = 0.0
+        assert (await running).status_code == 200
+    assert await engine.reset_prefix_cache(False, False) is True
+
+
 def pause_in_place(engine: EngineController, monkeypatch: pytest.MonkeyPatch) -> None:
     """The replica's pause made SGLang's `in_place` one, which keeps the running batch."""
 

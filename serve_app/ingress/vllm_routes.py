@@ -1,6 +1,6 @@
-"""/get_world_size and /server_info: the read-only routes of vLLM's server that RL frameworks'
-clients call before they generate (TRL's `VLLMClient`, SkyRL's), with vLLM 0.33's shapes and the
-app's meanings (docs/http_api.md#vllm-routes).
+"""vLLM's server routes that RL frameworks' clients call beside the OpenAI ones (TRL's
+`VLLMClient`, SkyRL's), with vLLM 0.33's shapes and the app's meanings (docs/http_api.md#vllm-routes):
+/get_world_size and /server_info (read-only), /reset_prefix_cache (a control route).
 
 vLLM answers for one server: its workers (tensor x pipeline parallel) and its data-parallel
 copies. Here each rollout replica is one data-parallel copy, and its workers are the members it
@@ -13,11 +13,13 @@ import json
 from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
+from fastapi import Depends
 from pydantic import BaseModel
 from ray.serve.handle import DeploymentHandle
 
-from serve_app.api import StatusResponse
+from serve_app.api import ResetPrefixCacheResponse, StatusResponse
 from serve_app.engines.options import EngineOptions
+from serve_app.ingress.auth import require_control_token
 
 
 class WorldSize(BaseModel):
@@ -34,7 +36,7 @@ class ServerInfo(BaseModel):
     system_env: dict[str, str]
 
 
-class VllmInfoRoutesMixin:
+class VllmRoutesMixin:
     controller: DeploymentHandle
     model_name: str
     engine_options: EngineOptions
@@ -43,6 +45,9 @@ class VllmInfoRoutesMixin:
     ENDPOINTS: ClassVar[dict[str, Callable[[Any], Any]]] = {
         "get_world_size": lambda app: app.get("/get_world_size", tags=["vllm"]),
         "server_info": lambda app: app.get("/server_info", tags=["vllm"]),
+        "reset_prefix_cache": lambda app: app.post(
+            "/reset_prefix_cache", dependencies=[Depends(require_control_token)], tags=["vllm"]
+        ),
     }
 
     async def get_world_size(self, include_dp: bool = True) -> WorldSize:
@@ -69,6 +74,16 @@ class VllmInfoRoutesMixin:
         return ServerInfo(
             vllm_config=config if config_format == "json" else json.dumps(config), vllm_env={}, system_env={}
         )
+
+    async def reset_prefix_cache(
+        self, reset_running_requests: bool = False, reset_external: bool = False
+    ) -> ResetPrefixCacheResponse:
+        """Empty the prefix cache of every replica's engine (every weight switch does it on its
+        own): `success` false when an engine refused, as vLLM's does while requests in flight
+        hold cached blocks (`reset_running_requests` preempts them; `reset_external`: a KV
+        connector's cache too). The embedded engine shares no KV between requests: nothing to
+        empty."""
+        return await self.controller.reset_prefix_cache.remote(reset_running_requests, reset_external)
 
     async def _ranks(self) -> list[int]:
         """Each running replica's engine workers (one where a replica does not say)."""
