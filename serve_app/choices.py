@@ -278,9 +278,9 @@ class ChoiceBuilder:
     def _top(self, token_id: int, lp: TokenLogprobs) -> dict[str, float]:
         """The position's token and its `logprobs` most likely alternatives (vLLM's: the sampled
         token is always there, so `logprobs: 0` answers it alone)."""
-        ids = [token_id, *(t for t in lp.top if t != token_id)]
-        values = [lp.logprob, *(v for t, v in lp.top.items() if t != token_id)]
-        return {s: _finite(v) for s, v in zip(self._strings(ids), values, strict=True)}
+        pairs = _own_first(token_id, lp)
+        strings = self._strings([t for t, _ in pairs])
+        return {s: _finite(v) for s, (_, v) in zip(strings, pairs, strict=True)}
 
     def _prompt_logprobs_out(self) -> PromptLogprobs | None:
         """vLLM's `prompt_logprobs`: per prompt position its token (with its rank) and the most
@@ -294,14 +294,14 @@ class ChoiceBuilder:
             if lp is None:
                 out.append(None)
                 continue
-            ids = [token_id, *(t for t in lp.top if t != token_id)]
+            pairs = _own_first(token_id, lp)
             ranks: dict[int, int | None] = {t: r for r, t in enumerate(lp.top, start=1)}
             ranks[token_id] = lp.rank if lp.rank is not None else ranks.get(token_id)
-            values = {token_id: lp.logprob, **lp.top}
+            strings = self._strings([t for t, _ in pairs])
             out.append(
                 {
-                    str(t): PromptLogprob(logprob=_finite(values[t]), rank=ranks.get(t), decoded_token=s)
-                    for t, s in zip(ids, self._strings(ids), strict=True)
+                    str(t): PromptLogprob(logprob=_finite(v), rank=ranks.get(t), decoded_token=s)
+                    for s, (t, v) in zip(strings, pairs, strict=True)
                 }
             )
         return out
@@ -326,6 +326,12 @@ class ChoiceBuilder:
                 TokenLogprob(token=s, logprob=_finite(lp.logprob), bytes=list(s.encode()), top_logprobs=tops)
             )
         return ChatLogprobs(content=content)
+
+
+def _own_first(token_id: int, lp: TokenLogprobs) -> list[tuple[int, float]]:
+    """(token id, logprob) at one position: its own token (sampled, or the prompt's), then each
+    alternative of `lp.top` other than it."""
+    return [(token_id, lp.logprob), *((t, v) for t, v in lp.top.items() if t != token_id)]
 
 
 def _finite(logprob: float) -> float:
