@@ -9,9 +9,9 @@ each receiver (an embedded engine, or each worker of a vLLM engine) a rank from 
 group's world size into the store under `<group>/world_size`, where the publisher reads it. Every
 member joins a process group built on the store under the group's prefix (not torch's default
 group: a trainer rank already has one, and so does a vLLM worker); the tensors travel in buckets,
-each one flat byte buffer broadcast from rank 0; then the group is dropped. A member that dies
-breaks the group, and every other member's next operation fails within the group's timeout, so
-nothing waits for it.
+each one flat byte buffer broadcast from rank 0; every member then marks itself done in the store
+and waits there for the others before it drops the group. A member that dies breaks the group,
+and every other member's next operation (or that wait) fails within the group's timeout.
 
 Pure torch, pydantic and `cryptography` (no Ray, no HTTP): the trainer imports it as well as the app.
 """
@@ -26,7 +26,7 @@ import os
 import secrets
 import socket
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Protocol, cast
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -44,9 +44,12 @@ _NONCE_BYTES = 12
 
 
 class Group(Protocol):
-    """What the protocol uses of a process group (gloo's or NCCL's backend object)."""
+    """What the protocol uses of a sync's group (`open_group`'s)."""
 
     def broadcast(self, tensors: list[torch.Tensor], opts: dist.BroadcastOptions) -> Any: ...
+
+    def leave(self) -> None:
+        """Wait until every member is done with the group, so none drops it under another."""
 
 
 class ForeignValue(RuntimeError):
@@ -198,11 +201,25 @@ def read_world_size(store: dist.Store, transfer: CollectiveTransfer) -> int | No
 class _SyncGroup:
     """A sync's process group with the sealed store it was built on, which must outlive it."""
 
-    def __init__(self, group: Group, store: SealedStore):
-        self._group, self._store = group, store  # the store only held: torch calls back into it
+    def __init__(self, group: Any, store: SealedStore, group_name: str, rank: int, world_size: int, timeout_s: float):
+        self._group, self._store = group, store  # torch calls back into the store while the group lives
+        self._left = [f"{group_name}/left/{r}" for r in range(world_size)]
+        self._rank, self._timeout = rank, datetime.timedelta(seconds=timeout_s)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: dist.BroadcastOptions) -> Any:
         return self._group.broadcast(tensors, opts)
+
+    def leave(self) -> None:
+        # A member done early must not close its connections while a slower one is still
+        # connecting to it: gloo's mesh setup fails that one with "Connection closed by peer".
+        # The store, not the group, holds the barrier, so no pair is in use when the group drops.
+        self._store.set(self._left[self._rank], "")
+        try:
+            self._store.wait(self._left, self._timeout)
+        except dist.DistStoreError as e:
+            raise TimeoutError(
+                f"not every member of the sync's group finished within {self._timeout.total_seconds():.0f}s"
+            ) from e
 
 
 def open_group(store: dist.Store, transfer: CollectiveTransfer, rank: int, world_size: int, timeout_s: float) -> Group:
@@ -213,11 +230,14 @@ def open_group(store: dist.Store, transfer: CollectiveTransfer, rank: int, world
     sealed = member_store(store, transfer, timeout_s)
     prefixed = dist.PrefixStore(f"{transfer.group}/pg/", sealed)
     timeout = datetime.timedelta(seconds=timeout_s)
+    group: Any
     if transfer.backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
-        return _SyncGroup(cast(Group, dist.ProcessGroupNCCL(prefixed, rank, world_size, options)), sealed)
-    return _SyncGroup(cast(Group, dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)), sealed)
+        group = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
+    else:
+        group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+    return _SyncGroup(group, sealed, transfer.group, rank, world_size, timeout_s)
 
 
 __all__ = [
@@ -265,6 +285,7 @@ def send(
         _broadcast(group, buf)
         if on_bucket is not None:
             on_bucket(n, len(buckets))
+    group.leave()
 
 
 def receive(group: Group, transfer: CollectiveTransfer, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
@@ -277,6 +298,7 @@ def receive(group: Group, transfer: CollectiveTransfer, device: torch.device) ->
             meta = transfer.tensors[i]
             view = buf[offset : offset + meta.nbytes].view(getattr(torch, meta.dtype)).reshape(meta.shape)
             yield meta.name, view
+    group.leave()
 
 
 def _broadcast(group: Group, buf: torch.Tensor) -> None:

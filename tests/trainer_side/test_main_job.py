@@ -6,6 +6,7 @@ its own overrides checks the end of the job."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -22,6 +23,8 @@ from .helpers import RAY_STARTUP_TIMEOUT, REPO_ROOT, by_role, entry_markers, rea
 from .quickstart import MAIN_JOB_TIMEOUT_S
 
 CLI_TIMEOUT_S = 600
+EXCEPTION_LINE = re.compile(r"^[\w.]+(Error|Exception)\b")
+"""A line that ends a traceback (`RuntimeError: ...`, `trainer.client.RolloutError: ...`)."""
 # The first test here also runs the session's quick-start main job (pip + 30 versions).
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(MAIN_JOB_TIMEOUT_S + 180)]
 
@@ -35,7 +38,13 @@ class CliRun:
 
     @property
     def log(self) -> str:
-        return f"--- stdout tail ---\n{self.stdout[-6000:]}\n--- stderr tail ---\n{self.stderr[-3000:]}"
+        # Every exception line of the whole stderr: a rank's own cause can lie far above the tail
+        # that another rank's traceback fills.
+        raised = "\n".join(line for line in self.stderr.splitlines() if EXCEPTION_LINE.match(line))
+        return (
+            f"--- stdout tail ---\n{self.stdout[-6000:]}\n--- exceptions in stderr ---\n{raised[-4000:]}"
+            f"\n--- stderr tail ---\n{self.stderr[-3000:]}"
+        )
 
 
 def run_cli(tmp: Path, *overrides: str, config: str = "config/trainer.yaml", retried: bool = False) -> CliRun:

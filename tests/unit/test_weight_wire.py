@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -104,6 +105,67 @@ def test_every_dtype_reaches_two_receivers_bit_exact():
         for name, t in state.items():
             assert got[name].dtype == t.dtype and got[name].shape == t.shape, name
             assert torch.equal(got[name].view(torch.uint8), t.view(torch.uint8)), f"{name} differs on rank {rank}"
+
+
+def test_no_member_drops_the_group_before_every_member_is_done():
+    """A member done first waits in the store for the slowest, so it never closes its connections
+    under one still setting up its own (gloo fails that one's join with "Connection closed by
+    peer", seen under load); a member that never finishes fails the wait after the timeout."""
+    state = {"a": torch.arange(300, dtype=torch.float32), "b": torch.ones(5)}
+    store, transfer = _publisher(state)
+    done: dict[str, BaseException | None] = {}
+
+    def member(name: str, go: Callable[[], object]) -> threading.Thread:
+        def run() -> None:
+            try:
+                go()
+                done[name] = None
+            except BaseException as e:  # noqa: BLE001 - failed in the test below
+                done[name] = e
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        return thread
+
+    def receive(rank: int, timeout_s: float) -> Iterator[tuple[str, torch.Tensor]]:
+        client = weight_wire.connect_store("127.0.0.1", store.port, timeout_s)
+        return weight_wire.receive(
+            weight_wire.open_group(client, transfer, rank, 3, timeout_s), transfer, torch.device("cpu")
+        )
+
+    sender = member(
+        "sender",
+        lambda: weight_wire.send(
+            weight_wire.open_group(store, transfer, 0, 3, 30), transfer, state, torch.device("cpu")
+        ),
+    )
+    fast = member("fast", lambda: dict(receive(1, 30)))
+    slow = receive(2, 3)
+    got = [next(slow) for _ in state]  # every tensor is here; the generator has not finished
+    assert [name for name, _ in got] == list(state)
+    time.sleep(0.5)
+    assert sender.is_alive() and fast.is_alive(), f"a member dropped the group before the slowest was done: {done}"
+    with pytest.raises(StopIteration):
+        next(slow)
+    sender.join(30)
+    fast.join(30)
+    assert done == {"sender": None, "fast": None}
+
+    store, transfer = _publisher(state)
+    sender = member(
+        "sender",
+        lambda: weight_wire.send(
+            weight_wire.open_group(store, transfer, 0, 3, 2), transfer, state, torch.device("cpu")
+        ),
+    )
+    fast = member("fast", lambda: dict(receive(1, 2)))
+    slow = receive(2, 2)
+    [next(slow) for _ in state]  # and never finishes
+    sender.join(30)
+    fast.join(30)
+    for name in ("sender", "fast"):
+        assert isinstance(done[name], TimeoutError), done
+        assert "not every member of the sync's group finished within 2s" in str(done[name])
 
 
 # -- the closed rendezvous -----------------------------------------------------------------------
