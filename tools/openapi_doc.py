@@ -124,12 +124,16 @@ def render_reference(spec: dict[str, Any]) -> str:
             if body is not None:
                 schema = _json_schema(body["content"]) or {}
                 name = ref_name(schema)
-                model = schemas.get(name, schema) if name else schema
-                inline.add(name or "")
-                strict = " Unknown fields are refused (422)." if model.get("additionalProperties") is False else ""
-                out += [f"Request body: `{name}` (JSON).{strict}", ""]
-                out += fields_table(model)
-                out.append("")
+                if name is None and "anyOf" in schema:  # one of several bodies, each under Bodies
+                    links = [f"[`{n}`](#{n.lower()})" for n in map(ref_name, schema["anyOf"]) if n]
+                    out += [f"Request body (JSON), one of: {', '.join(links)}.", ""]
+                else:
+                    model = schemas.get(name, schema) if name else schema
+                    inline.add(name or "")
+                    strict = " Unknown fields are refused (422)." if model.get("additionalProperties") is False else ""
+                    out += [f"Request body: `{name}` (JSON).{strict}", ""]
+                    out += fields_table(model)
+                    out.append("")
             out += _responses(op, guarded)
             out.append("")
     closure = set(ref_closure(spec["paths"], schemas)) - inline - {_FASTAPI_VALIDATION, "ValidationError"}

@@ -20,11 +20,19 @@ class HfTokenizer:
         self.eos_token_id: int | None = self._tokenizer.eos_token_id
         self.pad_token_id: int | None = self._tokenizer.pad_token_id
 
-    def tokenize(self, text: str) -> list[int]:
-        return self._tokenizer(text).input_ids
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tokenizer(text, add_special_tokens=add_special_tokens).input_ids
 
     def detokenize(self, token_ids: list[int]) -> str:
         return self._decode(token_ids, skip_special_tokens=True)
+
+    def prompt_text(self, token_ids: list[int]) -> str:
+        """The text of a prompt's ids, special tokens kept (vLLM's /detokenize)."""
+        return self._decode(token_ids)
+
+    def vocab_strings(self, token_ids: list[int]) -> list[str]:
+        """Each id's string in the vocabulary (`Ġthe`, not ` the`), as vLLM's `token_strs`."""
+        return [str(t) for t in self._tokenizer.convert_ids_to_tokens(token_ids)]
 
     def token_strings(self, token_ids: list[int]) -> list[str]:
         return [self._decode([t]) for t in token_ids]

@@ -155,7 +155,7 @@ class OpenAIRoutesMixin:
         return [jobs[i : i + size] for i in range(0, len(jobs), size)]
 
     async def _run(self, jobs: list[PromptJob]) -> list[JobResult]:
-        with _dispatch_errors():
+        with dispatch_errors():
             parts = await asyncio.gather(*(self.replicas.run_jobs.remote(c) for c in self._calls(jobs)))
         return [r for part in parts for r in part]
 
@@ -171,7 +171,7 @@ class OpenAIRoutesMixin:
         streaming = self.replicas.options(stream=True)
         streams = [cast(DeploymentResponseGenerator, streaming.stream_jobs.remote(c)) for c in self._calls(jobs)]
         try:
-            with _dispatch_errors():
+            with dispatch_errors():
                 accepted = [await s.__anext__() for s in streams]
         except BaseException:
             for s in streams:
@@ -227,7 +227,7 @@ def _event(payload: BaseModel | dict[str, Any]) -> bytes:
 def _stream_error(e: Exception) -> dict[str, Any]:
     """An error after the 200 was sent, as OpenAI streams it: `data: {"error": {...}}`."""
     try:
-        with _dispatch_errors():
+        with dispatch_errors():
             raise e
     except ControlError as known:
         status, message = known.status, known.detail
@@ -239,14 +239,14 @@ def _stream_error(e: Exception) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _dispatch_errors() -> Iterator[None]:
-    """A replica's refusal as a 422 with its own message (not Ray's wrapper around it, a remote
-    traceback), no replica as a 503 with Retry-After (a replica's full queue is its own 503:
-    serve_app/admission.py)."""
+def dispatch_errors(field: str = "prompt") -> Iterator[None]:
+    """A replica's refusal as a 422 naming `field` with the replica's own message (not Ray's
+    wrapper around it, a remote traceback), no replica as a 503 with Retry-After (a replica's
+    full queue is its own 503: serve_app/admission.py)."""
     try:
         yield
     except ValueError as e:
-        raise Refused(f"prompt: {getattr(e, 'cause', e)}") from e
+        raise Refused(f"{field}: {getattr(e, 'cause', e)}") from e
     except DeploymentUnavailableError as e:
         raise Unavailable(
             "no rollout replica is running (still starting, or failing to start: see `serve status`)",

@@ -1,6 +1,7 @@
 """vLLM's server routes that RL frameworks' clients call beside the OpenAI ones (TRL's
 `VLLMClient`, SkyRL's), with vLLM 0.33's shapes and the app's meanings (docs/http_api.md#vllm-routes):
-/get_world_size and /server_info (read-only), /reset_prefix_cache (a control route).
+/get_world_size and /server_info (read-only), /tokenize and /detokenize (the served model's
+tokenizer, on a replica, as generation uses it), /reset_prefix_cache (a control route).
 
 vLLM answers for one server: its workers (tensor x pipeline parallel) and its data-parallel
 copies. Here each rollout replica is one data-parallel copy, and its workers are the members it
@@ -17,9 +18,25 @@ from fastapi import Depends
 from pydantic import BaseModel
 from ray.serve.handle import DeploymentHandle
 
-from serve_app.api import ResetPrefixCacheResponse, StatusResponse
+from serve_app.api import ErrorResponse, ResetPrefixCacheResponse, StatusResponse
 from serve_app.engines.options import EngineOptions
+from serve_app.errors import NotFound, Refused
 from serve_app.ingress.auth import require_control_token
+from serve_app.ingress.openai_routes import dispatch_errors
+from serve_app.limits import RequestLimits
+from serve_app.tokenize_api import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeChatRequest,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+
+_TOKENIZE_ERRORS: dict[int | str, dict[str, Any]] = {
+    404: {"model": ErrorResponse, "description": "The request names a model this app does not serve."},
+    422: {"model": ErrorResponse, "description": "A field out of range, or a token id the model cannot embed."},
+    503: {"model": ErrorResponse, "description": "No replica running; retry after Retry-After."},
+}
 
 
 class WorldSize(BaseModel):
@@ -38,13 +55,17 @@ class ServerInfo(BaseModel):
 
 class VllmRoutesMixin:
     controller: DeploymentHandle
+    replicas: DeploymentHandle
     model_name: str
     engine_options: EngineOptions
+    request_limits: RequestLimits
     num_replicas: int
 
     ENDPOINTS: ClassVar[dict[str, Callable[[Any], Any]]] = {
         "get_world_size": lambda app: app.get("/get_world_size", tags=["vllm"]),
         "server_info": lambda app: app.get("/server_info", tags=["vllm"]),
+        "tokenize": lambda app: app.post("/tokenize", responses=_TOKENIZE_ERRORS, tags=["vllm"]),
+        "detokenize": lambda app: app.post("/detokenize", responses=_TOKENIZE_ERRORS, tags=["vllm"]),
         "reset_prefix_cache": lambda app: app.post(
             "/reset_prefix_cache", dependencies=[Depends(require_control_token)], tags=["vllm"]
         ),
@@ -75,6 +96,24 @@ class VllmRoutesMixin:
             vllm_config=config if config_format == "json" else json.dumps(config), vllm_env={}, system_env={}
         )
 
+    async def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
+        """A text prompt's token ids (`prompt`), or a conversation's rendered with the model's
+        chat template (`messages`), exactly as the OpenAI routes tokenize them."""
+        self._served(body.model)
+        field = "messages" if isinstance(body, TokenizeChatRequest) else "prompt"
+        chars = sum(len(m.text()) for m in body.messages) if isinstance(body, TokenizeChatRequest) else len(body.prompt)
+        limit = self.request_limits.max_prompt_chars
+        if chars > limit:
+            raise Refused(f"{field}: {chars} characters, over request_limits.max_prompt_chars {limit}")
+        with dispatch_errors(field):
+            return await self.replicas.tokenize.remote(body)
+
+    async def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
+        """The text of token ids, special tokens kept (vLLM's)."""
+        self._served(body.model)
+        with dispatch_errors("tokens"):
+            return await self.replicas.detokenize.remote(body)
+
     async def reset_prefix_cache(
         self, reset_running_requests: bool = False, reset_external: bool = False
     ) -> ResetPrefixCacheResponse:
@@ -89,3 +128,7 @@ class VllmRoutesMixin:
         """Each running replica's engine workers (one where a replica does not say)."""
         status: StatusResponse = await self.controller.status.remote()
         return [r.transfer_ranks or 1 for r in status.replicas] or [1] * self.num_replicas
+
+    def _served(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise NotFound(f"model {model!r} is not served; this app serves {self.model_name!r}")

@@ -1,5 +1,6 @@
 """The replica's data plane: generation, admitted through the replica's own gate
-(serve_app/admission.py) so that control calls never wait for it."""
+(serve_app/admission.py) so that control calls never wait for it, and tokenization (vLLM's
+/tokenize and /detokenize: no engine step, so no gate)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,13 @@ from serve_app.choices import ChoiceBuilder, JobAccepted, JobDone, JobResult, Pr
 from serve_app.engines.controller import EngineController
 from serve_app.engines.generation import GenerateRequest, check_fits, room_left
 from serve_app.openai_api import ChatChunkChoice, ChatCompletionRequest, CompletionChunkChoice
+from serve_app.tokenize_api import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeChatRequest,
+    TokenizeRequest,
+    TokenizeResponse,
+)
 
 INLINE_TOKENIZE_CHARS = 1024
 """Text prompts up to this long are tokenized on the event loop (about 0.2 ms at this length with
@@ -61,6 +69,27 @@ class GenerationPlane:
                 if (piece := builders[i].piece(delta)) is not None:
                     yield piece
             yield JobDone(completion_tokens=sum(len(b.token_ids) for b in builders))
+
+    async def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
+        """A prompt's or a conversation's token ids, as generation would take them. ValueError: a 422."""
+        tokenizer = self.engine.tokenizer
+        if isinstance(request, TokenizeChatRequest):
+            messages = [{"role": m.role, "content": m.text()} for m in request.messages]
+            ids = await asyncio.to_thread(tokenizer.chat_prompt, messages, request.add_generation_prompt)
+        else:
+            ids = await asyncio.to_thread(tokenizer.tokenize, request.prompt, request.add_special_tokens)
+        return TokenizeResponse(
+            count=len(ids),
+            max_model_len=self.engine.context_length,
+            tokens=ids,
+            token_strs=tokenizer.vocab_strings(ids) if request.return_token_strs else None,
+        )
+
+    async def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
+        """The text of token ids, special tokens kept. ValueError (a 422): an id the model cannot embed."""
+        tokenizer = self.engine.tokenizer
+        tokenizer.check_prompt(request.tokens)
+        return DetokenizeResponse(prompt=await asyncio.to_thread(tokenizer.prompt_text, request.tokens))
 
     async def _prepare(self, job: PromptJob, stream: bool) -> tuple[list[ChoiceBuilder], list[GenerateRequest]]:
         """Tokenize (a long prompt off the event loop: it must not stall control calls and health

@@ -45,6 +45,8 @@ OPERATIONS: dict[tuple[str, str], int] = {
     ("POST", "/v1/chat/completions"): 40,
     ("GET", "/get_world_size"): 5,
     ("GET", "/server_info"): 5,
+    ("POST", "/tokenize"): 15,
+    ("POST", "/detokenize"): 10,
     ("POST", "/reset_prefix_cache"): 10,
     ("GET", "/profile/status"): 15,
     ("GET", "/profile/clock"): 15,

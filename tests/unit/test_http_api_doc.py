@@ -33,6 +33,8 @@ def test_reference_covers_every_route_of_the_ingress():
         "POST /v1/completions",
         "GET /get_world_size",
         "GET /server_info",
+        "POST /tokenize",
+        "POST /detokenize",
         "POST /reset_prefix_cache",
         "GET /health",
         "GET /metrics",
