@@ -30,11 +30,19 @@ class GenerationGate:
         self._limits = limits
         self._slots = asyncio.Semaphore(limits.max_ongoing_requests)
         self._waiting = 0
+        self._admitted = 0
+        self._drained = asyncio.Event()
+        self._drained.set()
+        self.closed: str | None = None
+        """Why new calls are refused (503) while a client's pause (mode wait) lasts; None: open."""
+        self._reopen: asyncio.TimerHandle | None = None
 
     @contextlib.asynccontextmanager
     async def admit(self) -> AsyncIterator[None]:
         """Hold a generation slot for the body of the `async with`; Unavailable (503 with
-        Retry-After) when the queue is full or the wait exceeds queue_timeout_s."""
+        Retry-After) when the queue is full, the wait exceeds queue_timeout_s, or the gate is closed."""
+        if self.closed is not None:
+            raise Unavailable(self.closed, retry_after_s=BUSY_RETRY_AFTER_S)
         if self._slots.locked():
             if self._waiting >= self._limits.max_queued_requests:
                 raise Unavailable(
@@ -56,10 +64,35 @@ class GenerationGate:
                 self._waiting -= 1
         else:
             await self._slots.acquire()
+        self._admitted += 1
+        self._drained.clear()
         try:
             yield
         finally:
             self._slots.release()
+            self._admitted -= 1
+            if not self._admitted:
+                self._drained.set()
+
+    def close(self, why: str, for_s: float) -> None:
+        """Refuse new calls with 503 saying `why`, for `for_s` seconds at most (until `open`)."""
+        self.closed = why
+        if self._reopen is not None:
+            self._reopen.cancel()
+        self._reopen = asyncio.get_running_loop().call_later(max(0.0, for_s), self.open)
+
+    def open(self) -> None:
+        """Admit new calls again."""
+        if self._reopen is not None:
+            self._reopen.cancel()
+            self._reopen = None
+        self.closed = None
+
+    async def drained(self) -> None:
+        """Return once no admitted call runs (those waiting for a slot count once admitted)."""
+        while self._admitted or self._waiting:
+            await self._drained.wait()
+            await asyncio.sleep(0)  # a waiter handed the freed slot is admitted on its next turn
 
     @property
     def waiting(self) -> int:

@@ -117,6 +117,12 @@ class Outcome(StrEnum):
         return {"ok": self is Outcome.OK, "conflict": self is Outcome.CONFLICT, "refused": self is Outcome.REFUSED}
 
 
+ClientPauseMode = Literal["keep", "wait"]
+"""How a client's pause treats generation (vLLM's `/pause` modes the app serves;
+docs/design.md#client-pause): `keep` freezes requests in flight between engine steps and queues
+new ones; `wait` refuses new ones (503) and answers once those in flight finished."""
+
+
 class ReplicaReport(BaseModel):
     """One replica's answer to a control call. It ended one of four ways: done (`ok`), failed
     (`ok` false), a conflict (`conflict`, a 409 cause) or a refusal (`refused`, a 422 cause);
@@ -138,6 +144,7 @@ class ReplicaReport(BaseModel):
     active_step: int | None = None
     weight_version: int | None = None
     paused: bool | None = None
+    client_pause: ClientPauseMode | None = Field(None, description="A client's pause in effect on this replica.")
     forward_steps: int | None = None
     forward_steps_by_version: dict[int, int] = Field(
         default_factory=dict, description="All forward passes the replica ran, by weight version."
@@ -223,6 +230,32 @@ class UpdateWeightsResponse(BaseModel):
         description="Seconds the bytes took to reach the replicas before the load: the object store's fetch, "
         "the collective's broadcast (measured by the publisher); None for a path the replicas read.",
     )
+
+
+class PauseResponse(BaseModel):
+    """vLLM's `/pause` answer, with the pause's bound and each replica's report."""
+
+    status: Literal["paused"] = "paused"
+    mode: ClientPauseMode
+    until: float = Field(
+        description="Unix seconds when the pause ends on its own (client_pause_max_s), unless resumed first."
+    )
+    replicas: list[ReplicaReport]
+
+
+class ResumeResponse(BaseModel):
+    """vLLM's `/resume` answer, with each replica's report."""
+
+    status: Literal["resumed"] = "resumed"
+    replicas: list[ReplicaReport]
+
+
+class IsPausedResponse(BaseModel):
+    """vLLM's `/is_paused`: whether a client's pause is in effect (not the sync's own hold)."""
+
+    is_paused: bool
+    mode: ClientPauseMode | None = None
+    until: float | None = Field(None, description="Unix seconds when the pause ends on its own.")
 
 
 class ResetPrefixCacheResponse(BaseModel):

@@ -135,6 +135,10 @@ class _AppArgs(StrictModel):
     """Longest a stop(pause=true) or update(resume=false) holds engine steps without the
     update or start that ends the hold, counted from when the hold began or from the end of the
     last weight load it covered (a load longer than this keeps the hold)."""
+    client_pause_max_s: float = Field(600.0, gt=0)
+    """Longest a client's pause (vLLM's `/pause`) lasts without its `/resume`: then generation
+    goes on by itself, so a client that died mid-sync never leaves the app paused
+    (docs/design.md#client-pause)."""
     min_free_disk_mb: float = Field(256.0, ge=0)
     """A start is refused with 507 when save_path has less free space than this."""
 

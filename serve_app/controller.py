@@ -24,10 +24,14 @@ from ray.serve.schema import ApplicationStatus
 from profiling.manifest import StepManifest
 from profiling.store import StorageError, TraceStore
 from serve_app.api import (
+    ClientPauseMode,
     ClockResponse,
     EngineRpcReport,
     InClusterWeightsRequest,
+    IsPausedResponse,
+    PauseResponse,
     ResetPrefixCacheResponse,
+    ResumeResponse,
     StartProfileRequest,
     StartProfileResponse,
     StatusResponse,
@@ -38,6 +42,7 @@ from serve_app.api import (
     UpdateWeightsResponse,
 )
 from serve_app.config import AppArgs
+from serve_app.control.client_pause import ClientPauses
 from serve_app.control.fleet import Fleet
 from serve_app.control.profile_control import ProfileControl
 from serve_app.control.shielded import ShieldedCalls
@@ -81,6 +86,8 @@ class RolloutController:
         )
         self.profile = ProfileControl(self._fleet, self.records, args)
         self.weights = WeightControl(self._fleet, args)
+        self.pauses = ClientPauses(self._fleet, args)
+        await self.pauses.recover()
         self._calls = ShieldedCalls()
         # A restart mid-step resumes it (its watchdog, replicas that missed it, its record), in the
         # background: replicas that are starting wait for this constructor to answer them.
@@ -124,6 +131,16 @@ class RolloutController:
     ) -> list[EngineRpcReport]:
         # Not shielded: a trainer's own RPC, which the trainer alone knows how to repeat or undo.
         return await self.weights.engine_rpc(method, args, kwargs, timeout_s)
+
+    # -- a client's pause (vLLM's /pause, /resume, /is_paused) ------------------------------------
+    async def pause(self, mode: ClientPauseMode) -> PauseResponse:
+        return await self._calls.run("pause", lambda: self.pauses.pause(mode))
+
+    async def resume(self) -> ResumeResponse:
+        return await self._calls.run("resume", self.pauses.resume)
+
+    async def is_paused(self) -> IsPausedResponse:
+        return await self.pauses.is_paused()
 
     async def reset_prefix_cache(self, reset_running_requests: bool, reset_external: bool) -> ResetPrefixCacheResponse:
         """Empty every replica's engine prefix cache (a client's call; every weight switch does it

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, model_validator
@@ -26,6 +27,7 @@ from ray.experimental import internal_kv
 
 from profiling.session import SessionSpec
 from profiling.weight_source import WeightSource
+from serve_app.api import ClientPauseMode
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +64,18 @@ Weights = Annotated[InitialWeights | PathWeights | ObjectStoreWeights | PeerWeig
 """Where the served weights came from, which decides how a replica that starts loads them."""
 
 
+class ClientPause(BaseModel):
+    """A client's pause (vLLM's `/pause`) in effect: its mode, and when it ends on its own."""
+
+    mode: ClientPauseMode
+    until: float
+    """Unix seconds: the pause ends then unless the client resumes first (client_pause_max_s)."""
+
+    def left_s(self) -> float:
+        """Seconds until it ends on its own (0: over)."""
+        return max(0.0, self.until - time.time())
+
+
 class DesiredState(BaseModel):
     active: SessionSpec | None = None
     active_since: float | None = None
@@ -71,6 +85,8 @@ class DesiredState(BaseModel):
     weights: Weights = InitialWeights()
     """Where the served weights of `weight_version` came from."""
     paused: bool = False
+    """The sync's admission hold (a stop with pause, an update with resume false)."""
+    client_pause: ClientPause | None = None
 
     @model_validator(mode="before")
     @classmethod

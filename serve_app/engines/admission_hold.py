@@ -1,5 +1,8 @@
 """The admission hold of one engine: while held, no new engine step is admitted, until the next
-start or resuming update, or until `hold_timeout_s` passes (docs/design.md#exact-attribution)."""
+start or resuming update, or until `hold_timeout_s` passes (docs/design.md#exact-attribution);
+and a client's pause (vLLM's `/pause?mode=keep`), which holds the engine too, until the
+client's resume or until its own bound passes (docs/design.md#client-pause). The engine runs
+only when neither holds it."""
 
 from __future__ import annotations
 
@@ -47,6 +50,9 @@ class AdmissionHold:
         """Weight loads (reads, receives) under way: the hold's deadline waits for them."""
         # (step, monotonic time) of a hold begun by the stop of `step`: its length goes to the entry.
         self._sync_hold: tuple[int, float] | None = None
+        self.client_held = False
+        """Whether a client's pause holds the engine (apart from the sync's hold)."""
+        self._client_timer: asyncio.TimerHandle | None = None
 
     def begun_by_stop(self, step: int) -> None:
         """A hold about to begin comes from the stop of `step`: its length goes to that entry."""
@@ -75,20 +81,54 @@ class AdmissionHold:
             self._arm()
 
     async def release(self) -> None:
-        """End the hold (if any), resuming the engine; the caller holds the control lock."""
+        """End the hold (if any), resuming the engine unless a client's pause holds it; the
+        caller holds the control lock."""
         self._disarm()
         if self.held:
-            await self.resume_engine()
+            if not self.client_held:
+                await self.resume_engine()
             self.held = False
             if self._sync_hold is not None:
                 step, began = self._sync_hold
                 self._annotate(step, sync_held_s=round(time.monotonic() - began, 6))
         self._sync_hold = None
 
+    async def client_hold(self, for_s: float) -> None:
+        """A client's pause: admit no engine step until `client_release`, or for `for_s` seconds
+        at most (a repeat sets the bound anew); the caller holds the control lock. Starts,
+        updates and the sync hold's end leave it in place."""
+        self._require_pause()
+        if not self.engine_paused:
+            await self.pause_engine()
+        self.client_held = True
+        if self._client_timer is not None:
+            self._client_timer.cancel()
+        self._client_timer = asyncio.get_running_loop().call_later(
+            max(0.0, for_s), lambda: asyncio.ensure_future(self._client_expired())
+        )
+
+    async def client_release(self) -> None:
+        """End a client's pause (if any), resuming the engine unless the sync's hold still holds
+        it; the caller holds the control lock."""
+        if self._client_timer is not None:
+            self._client_timer.cancel()
+            self._client_timer = None
+        if self.client_held:
+            if not self.held:
+                await self.resume_engine()
+            self.client_held = False
+
+    async def _client_expired(self) -> None:
+        async with self._control:
+            if self.client_held:
+                log.warning("a client's pause reached client_pause_max_s without its resume; resuming")
+                await self.client_release()
+
     def cancel(self) -> None:
-        """Stop the deadline's timer (at shutdown)."""
-        if self._timer is not None:
-            self._timer.cancel()
+        """Stop the deadlines' timers (at shutdown)."""
+        for timer in (self._timer, self._client_timer):
+            if timer is not None:
+                timer.cancel()
 
     @contextlib.asynccontextmanager
     async def covering_load(self) -> AsyncIterator[None]:

@@ -229,8 +229,24 @@ class EngineController(WeightControl):
 
     @property
     def paused(self) -> bool:
-        """Whether admission of new engine steps is held."""
+        """Whether admission of new engine steps is held (by the sync's hold)."""
         return self._admission.held
+
+    @property
+    def client_held(self) -> bool:
+        """Whether a client's pause (mode keep) holds the engine."""
+        return self._admission.client_held
+
+    async def client_hold(self, for_s: float) -> None:
+        """A client's pause, mode keep: no engine step until `client_release`, or for `for_s`
+        seconds at most; requests in flight and new ones wait (docs/design.md#client-pause)."""
+        async with self._control:
+            await self._admission.client_hold(for_s)
+
+    async def client_release(self) -> None:
+        """End a client's pause: the engine runs again unless the sync's hold holds it."""
+        async with self._control:
+            await self._admission.client_release()
 
     @property
     def transfer_ranks(self) -> int:

@@ -153,8 +153,9 @@ class WeightControl:
                 replaced = self.weight_version
                 self._session.note_weight_load()
                 # No engine step between the old version's and the new one's (an engine that
-                # cannot pause loads between its own steps).
-                if not self._admission.held and self._options.has(Capability.PAUSE):
+                # cannot pause loads between its own steps; one already paused, by the sync's
+                # hold or a client's pause, stays so).
+                if not (self._admission.held or self._admission.client_held) and self._options.has(Capability.PAUSE):
                     await self._admission.pause_engine()
                     paused_here = True
                 try:

@@ -1,7 +1,8 @@
 """vLLM's server routes that RL frameworks' clients call beside the OpenAI ones (TRL's
 `VLLMClient`, SkyRL's), with vLLM 0.33's shapes and the app's meanings (docs/http_api.md#vllm-routes):
-/get_world_size and /server_info (read-only), /tokenize and /detokenize (the served model's
-tokenizer, on a replica, as generation uses it), /reset_prefix_cache (a control route).
+/get_world_size, /server_info and /is_paused (read-only), /tokenize and /detokenize (the served
+model's tokenizer, on a replica, as generation uses it), /reset_prefix_cache, /pause and /resume
+(control routes).
 
 vLLM answers for one server: its workers (tensor x pipeline parallel) and its data-parallel
 copies. Here each rollout replica is one data-parallel copy, and its workers are the members it
@@ -18,7 +19,14 @@ from fastapi import Depends
 from pydantic import BaseModel
 from ray.serve.handle import DeploymentHandle
 
-from serve_app.api import ErrorResponse, ResetPrefixCacheResponse, StatusResponse
+from serve_app.api import (
+    ErrorResponse,
+    IsPausedResponse,
+    PauseResponse,
+    ResetPrefixCacheResponse,
+    ResumeResponse,
+    StatusResponse,
+)
 from serve_app.engines.options import EngineOptions
 from serve_app.errors import NotFound, Refused
 from serve_app.ingress.auth import require_control_token
@@ -32,6 +40,10 @@ from serve_app.tokenize_api import (
     TokenizeResponse,
 )
 
+_PAUSE_ERRORS: dict[int | str, dict[str, Any]] = {
+    422: {"model": ErrorResponse, "description": "mode=abort (not served), or an engine that cannot pause."},
+    503: {"model": ErrorResponse, "description": "A replica did not carry out the call (each named)."},
+}
 _TOKENIZE_ERRORS: dict[int | str, dict[str, Any]] = {
     404: {"model": ErrorResponse, "description": "The request names a model this app does not serve."},
     422: {"model": ErrorResponse, "description": "A field out of range, or a token id the model cannot embed."},
@@ -69,7 +81,35 @@ class VllmRoutesMixin:
         "reset_prefix_cache": lambda app: app.post(
             "/reset_prefix_cache", dependencies=[Depends(require_control_token)], tags=["vllm"]
         ),
+        "pause": lambda app: app.post(
+            "/pause", dependencies=[Depends(require_control_token)], responses=_PAUSE_ERRORS, tags=["vllm"]
+        ),
+        "resume": lambda app: app.post(
+            "/resume", dependencies=[Depends(require_control_token)], responses=_PAUSE_ERRORS, tags=["vllm"]
+        ),
+        "is_paused": lambda app: app.get("/is_paused", tags=["vllm"]),
     }
+
+    async def pause(self, mode: Literal["abort", "wait", "keep"] = "abort", clear_cache: bool = True) -> PauseResponse:
+        """Pause generation on every replica until `/resume`, or until client_pause_max_s passes
+        (docs/design.md#client-pause): `keep` freezes requests in flight between engine steps
+        and queues new ones; `wait` refuses new ones (503) and answers once those in flight
+        finished. `clear_cache` is accepted and has no effect (deprecated in vLLM; every weight
+        switch empties the prefix cache on its own)."""
+        if mode == "abort":
+            raise Refused(
+                "mode=abort is not served: requests in flight are not ended early here; pause with mode=keep "
+                "(they freeze and go on after /resume) or mode=wait (they finish first)"
+            )
+        return await self.controller.pause.remote(mode)
+
+    async def resume(self) -> ResumeResponse:
+        """End a client's pause on every replica (none in effect: nothing changes)."""
+        return await self.controller.resume.remote()
+
+    async def is_paused(self) -> IsPausedResponse:
+        """Whether a client's pause is in effect, its mode, and when it ends on its own."""
+        return await self.controller.is_paused.remote()
 
     async def get_world_size(self, include_dp: bool = True) -> WorldSize:
         """Engine workers over every replica (each replica a data-parallel copy, as vLLM counts

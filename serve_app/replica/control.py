@@ -16,7 +16,7 @@ import ray
 
 from profiling.session import SessionConflict, SessionSpec
 from serve_app.admission import GenerationGate
-from serve_app.api import EngineRpcReport, Outcome, PerReplica, ReplicaReport
+from serve_app.api import ClientPauseMode, EngineRpcReport, Outcome, PerReplica, ReplicaReport
 from serve_app.config import AppArgs
 from serve_app.engines.controller import EngineController
 from serve_app.engines.weight_control import AdoptConflict, AdoptRefused
@@ -36,6 +36,12 @@ OWN_ERRORS: tuple[tuple[type[Exception], Outcome], ...] = (
     (WeightsError, Outcome.FAILED),
 )
 """Errors whose text is written for the user, with the outcome each one means."""
+
+
+WAIT_PAUSED = (
+    "generation is paused (POST /pause with mode=wait): new requests are refused until POST /resume, "
+    "or until client_pause_max_s passes"
+)
 
 
 class ControlPlane:
@@ -60,6 +66,7 @@ class ControlPlane:
             "active_step": st.active_step,
             "weight_version": st.weight_version,
             "paused": st.paused,
+            "client_pause": self.client_pause_mode,
             "forward_steps": st.forward_steps,
             "forward_steps_by_version": st.forward_steps_by_version,
             "requests_in_flight": st.requests_in_flight,
@@ -212,6 +219,39 @@ class ControlPlane:
             self.engine.reset_prefix_cache(reset_running_requests, reset_external),
             lambda done: {} if done else refused,
         )
+
+    @property
+    def client_pause_mode(self) -> ClientPauseMode | None:
+        """The client's pause in effect here (None: none)."""
+        return "keep" if self.engine.client_held else "wait" if self._gate.closed is not None else None
+
+    async def client_pause(self, mode: ClientPauseMode, for_s: float, drain: bool = True) -> ReplicaReport:
+        """A client's pause here, for `for_s` seconds at most (docs/design.md#client-pause):
+        `keep` holds the engine (requests in flight freeze between engine steps, new ones queue);
+        `wait` refuses new generation calls with 503 and, with `drain`, answers once those
+        admitted finished (a health check's convergence does not wait for them)."""
+
+        async def pause() -> None:
+            if mode == "keep":
+                self._gate.open()
+                await self.engine.client_hold(for_s)
+                return
+            await self.engine.client_release()
+            self._gate.close(WAIT_PAUSED, for_s)
+            if drain:
+                await self._gate.drained()
+
+        return await self._control("pause failed", pause())
+
+    async def client_resume(self) -> ReplicaReport:
+        """End a client's pause here: the engine runs and the gate admits again (the sync's
+        own hold, where one is in effect, still holds the engine)."""
+
+        async def resume() -> None:
+            self._gate.open()
+            await self.engine.client_release()
+
+        return await self._control("resume failed", resume())
 
     async def status(self) -> ReplicaReport:
         """This replica's state."""

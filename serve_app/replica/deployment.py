@@ -77,7 +77,7 @@ class RolloutReplica(GenerationPlane, ControlPlane):
         # By name: the controller's deployment binds this one, so it cannot be bound here.
         controller = serve.get_deployment_handle("RolloutController", ctx.app_name)
         self._controller = ControllerView(controller)
-        self._reconciler = Reconciler(self.engine, self._controller)
+        self._reconciler = Reconciler(self.engine, self._controller, self)
         await self._join()
         self._listener: ReplicaListener | None = None
         if (listener := args.replica_listener) is not None:
@@ -112,6 +112,8 @@ class RolloutReplica(GenerationPlane, ControlPlane):
             await self.engine.start_profile(spec)
         if desired.paused:
             await self.engine.stop_profile(None, pause=True)
+        if (pause := desired.client_pause) is not None and pause.left_s() > 0:
+            await self.client_pause(pause.mode, pause.left_s())
 
     async def _load_from_peer(self, version: int) -> None:
         """Load the served `version` from a peer replica's snapshot (no file holds weights that came

@@ -48,6 +48,9 @@ OPERATIONS: dict[tuple[str, str], int] = {
     ("POST", "/tokenize"): 15,
     ("POST", "/detokenize"): 10,
     ("POST", "/reset_prefix_cache"): 10,
+    ("POST", "/pause"): 15,
+    ("POST", "/resume"): 5,
+    ("GET", "/is_paused"): 5,
     ("GET", "/profile/status"): 15,
     ("GET", "/profile/clock"): 15,
     ("POST", "/profile/start"): 60,
@@ -56,7 +59,7 @@ OPERATIONS: dict[tuple[str, str], int] = {
     ("GET", "/profile/steps"): 15,
     ("GET", "/profile/steps/{k}"): 30,
 }
-STATEFUL = {"/profile/start", "/profile/stop", "/weights/update"}
+STATEFUL = {"/profile/start", "/profile/stop", "/weights/update", "/pause"}
 GENERATION = {"/v1/completions", "/v1/chat/completions"}
 
 
@@ -91,7 +94,8 @@ def session() -> Iterator[requests.Session]:
 
 
 def reopen(http) -> None:
-    """Leave the app idle and admitting: stop any step, then the same version with resume."""
+    """Leave the app idle and admitting: no client pause, no step, then the same version with resume."""
+    ok(http.post("/resume"))
     st_ = status(http)
     if st_["active_step"] is not None:
         ok(http.post("/profile/stop", json={"step": st_["active_step"]}))

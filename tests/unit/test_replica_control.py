@@ -29,6 +29,7 @@ class FakeEngine:
         self.fail: Exception | None = None
         self.weight_version = 0
         self.transfer_ranks = 1
+        self.client_held = False
         self.rpc_calls: list[tuple[str, tuple[Any, ...]]] = []
 
     def status(self) -> EngineStatus:

@@ -1,11 +1,14 @@
-"""A replica's Reconciler without Ray: a replica that a start or stop missed (it was still
-starting, so not routable) converges on the desired state at its second health check in a row,
-never on the first (a control call may be in flight), and joins a step late at most once."""
+"""A replica's Reconciler without Ray: a replica that a start, stop or client pause missed (it
+was still starting, so not routable) converges on the desired state at its second health check
+in a row, never on the first (a control call may be in flight), joins a step late at most once,
+and drops a client pause whose bound has passed."""
 
 from __future__ import annotations
 
+import time
+
 from profiling.session import StopOutcome
-from serve_app.desired_state import DesiredState
+from serve_app.desired_state import ClientPause, DesiredState
 from serve_app.reconcile import Reconciler
 
 
@@ -37,12 +40,26 @@ class FakeDesired:
         return self.state
 
 
+class FakePauses:
+    def __init__(self) -> None:
+        self.client_pause_mode: str | None = None
+        self.calls: list[tuple] = []
+
+    async def client_pause(self, mode, for_s, drain=True):
+        self.calls.append(("pause", mode, round(for_s), drain))
+        self.client_pause_mode = mode
+
+    async def client_resume(self):
+        self.calls.append(("resume",))
+        self.client_pause_mode = None
+
+
 class Replica:
     """What the tests drive: the engine, the desired state, and the replica's reconciler."""
 
     def __init__(self) -> None:
-        self.engine, self.desired = FakeEngine(), FakeDesired()
-        self.reconciler = Reconciler(self.engine, self.desired)
+        self.engine, self.desired, self.pauses = FakeEngine(), FakeDesired(), FakePauses()
+        self.reconciler = Reconciler(self.engine, self.desired, self.pauses)  # type: ignore[arg-type]
 
 
 async def test_a_recording_the_app_stopped_is_stopped_at_the_second_check():
@@ -77,3 +94,24 @@ async def test_agreement_or_a_passing_difference_does_nothing(spec):
     await r.reconciler.check()
     await r.reconciler.check()
     assert r.engine.calls == []
+
+
+async def test_a_client_pause_the_replica_missed_is_applied_for_the_time_left_without_draining():
+    r = Replica()
+    r.desired.state = DesiredState(client_pause=ClientPause(mode="wait", until=time.time() + 100))
+    await r.reconciler.check()
+    assert r.pauses.calls == [], "the first sighting may be a pause in flight"
+    await r.reconciler.check()
+    assert r.pauses.calls == [("pause", "wait", 100, False)], "a health check never waits for requests to end"
+    await r.reconciler.check()
+    await r.reconciler.check()
+    assert len(r.pauses.calls) == 1, "converged: nothing more"
+
+
+async def test_a_pause_the_app_lifted_or_whose_bound_passed_is_resumed():
+    r = Replica()
+    r.pauses.client_pause_mode = "keep"
+    r.desired.state = DesiredState(client_pause=ClientPause(mode="keep", until=time.time() - 1))
+    await r.reconciler.check()
+    await r.reconciler.check()
+    assert r.pauses.calls == [("resume",)]
