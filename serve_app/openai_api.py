@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, Field, field_validator, model_validator
 
 from profiling.config import StrictModel
 from serve_app.engines.generation import WeightVersionSpan
@@ -38,6 +38,15 @@ class StreamOptions(StrictModel):
 
 
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+
+
+def _salt_as_vllm_takes_it(salt: str) -> str:
+    if any(c in CACHE_SALT_FORBIDDEN for c in salt):
+        raise ValueError("cache_salt must not contain '@', '/', '\\' or NUL (vLLM's rule)")
+    return salt
+
+
+CacheSalt = Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS), AfterValidator(_salt_as_vllm_takes_it)]
 
 
 class SamplingFields(StrictModel):
@@ -89,17 +98,10 @@ class SamplingFields(StrictModel):
     return_tokens_as_token_ids: bool | None = None
     """Write each logprob's token as `token_id:<id>` instead of its text (vLLM's): exact where a
     token is not valid text on its own (part of a multi-byte character). Null: no."""
-    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
+    cache_salt: CacheSalt | None = None
     """Only requests with the same salt share prefix-cache blocks (vLLM's and SGLang's); the
     embedded engine shares no KV between requests, so there it changes nothing. vLLM's rules:
     at most 128 characters, none of `@`, `/`, `\\` or NUL."""
-
-    @field_validator("cache_salt")
-    @classmethod
-    def _salt_as_vllm_takes_it(cls, salt: str | None) -> str | None:
-        if salt is not None and any(c in CACHE_SALT_FORBIDDEN for c in salt):
-            raise ValueError("cache_salt must not contain '@', '/', '\\' or NUL (vLLM's rule)")
-        return salt
 
     @field_validator("temperature")
     @classmethod

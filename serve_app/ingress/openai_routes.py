@@ -1,7 +1,9 @@
-"""/v1/models, /v1/completions and /v1/chat/completions (OpenAI's shapes, plus token ids and
-weight-version spans; docs/http_api.md#openai-routes). Generation goes through the load
-balancer, one handle call per prompt (its `n` choices stay on one replica, sharing its prefix
-cache); it never needs the control token."""
+"""The generation routes: /v1/models, /v1/completions and /v1/chat/completions (OpenAI's shapes,
+plus token ids and weight-version spans; docs/http_api.md#openai-routes), and vLLM's token-in,
+token-out /inference/v1/generate (a completion with a token-id prompt, in vLLM's shape;
+docs/http_api.md#vllm-routes). Generation goes through the load balancer, one handle call per
+prompt (its `n` choices stay on one replica, sharing its prefix cache); it never needs the
+control token."""
 
 from __future__ import annotations
 
@@ -15,22 +17,25 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, ClassVar, cast
 
 from fastapi.responses import Response, StreamingResponse
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 from ray.serve.exceptions import DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
+from profiling.config import describe_validation_error
 from serve_app.admission import BUSY_RETRY_AFTER_S
 from serve_app.api import ErrorResponse
 from serve_app.async_streams import merged
 from serve_app.choices import JobAccepted, JobDone, JobResult, OpenAIRequest, PromptJob
 from serve_app.engines.options import EngineOptions
 from serve_app.errors import ControlError, NotFound, Refused, Unavailable
+from serve_app.generate_api import GenerateRequest, GenerateResponse, generate_response
 from serve_app.ingress.settings import current
 from serve_app.limits import RequestLimits
 from serve_app.openai_api import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    CompletionChoice,
     CompletionChunk,
     CompletionRequest,
     CompletionResponse,
@@ -78,6 +83,12 @@ class OpenAIRoutesMixin:
         "chat_completions": lambda app: app.post(
             "/v1/chat/completions", response_model=None, responses=_streamed(ChatCompletionResponse), tags=["openai"]
         ),
+        "generate_tokens": lambda app: app.post(
+            "/inference/v1/generate",
+            response_model=None,
+            responses={200: {"model": GenerateResponse}, **_GENERATION_ERRORS},
+            tags=["vllm"],
+        ),
     }
 
     async def list_models(self) -> ModelList:
@@ -122,6 +133,20 @@ class OpenAIRoutesMixin:
                 prompt_token_ids=results[0].choices[0].prompt_token_ids,
             )
         )
+
+    async def generate_tokens(self, body: GenerateRequest) -> Response:
+        """vLLM's token-in, token-out generation: the same sampling, admission and weight-version
+        spans as a completion of the token-id prompt, in vLLM's tokens-mode shape (each
+        position's logprobs keyed by token id; weight versions labelled as vLLM labels them)."""
+        try:
+            request = body.completion()
+        except ValidationError as e:
+            raise Refused(f"sampling_params: {describe_validation_error(e, 'sampling_params')}") from None
+        self._check(request, 1, {})
+        results = await self._run([PromptJob(request=request, prompt_index=0, prompt=body.token_ids)])
+        choices = [c for c in results[0].choices if isinstance(c, CompletionChoice)]  # a completion's, all
+        answer = generate_response(body, choices, _usage(results), self.model_name, int(time.time()))
+        return Response(answer.model_dump_json(), media_type="application/json")
 
     # -- internals -------------------------------------------------------------------------
     def _check(self, body: OpenAIRequest, prompts: int, chars: dict[str, int]) -> None:

@@ -43,6 +43,7 @@ OPERATIONS: dict[tuple[str, str], int] = {
     ("GET", "/v1/models"): 5,
     ("POST", "/v1/completions"): 50,
     ("POST", "/v1/chat/completions"): 40,
+    ("POST", "/inference/v1/generate"): 30,
     ("GET", "/get_world_size"): 5,
     ("GET", "/server_info"): 5,
     ("POST", "/tokenize"): 15,
@@ -60,7 +61,7 @@ OPERATIONS: dict[tuple[str, str], int] = {
     ("GET", "/profile/steps/{k}"): 30,
 }
 STATEFUL = {"/profile/start", "/profile/stop", "/weights/update", "/pause"}
-GENERATION = {"/v1/completions", "/v1/chat/completions"}
+GENERATION = {"/v1/completions", "/v1/chat/completions", "/inference/v1/generate"}
 
 
 @pytest.fixture(scope="module")
@@ -124,11 +125,13 @@ def steer(path: str, case, data, http) -> None:
             body["version"] = status(http)["weight_version"]
     elif path in GENERATION and body is not None:
         # Valid but costly sizes shrunk, so the fuzz spends its time on inputs, not on decoding.
-        if type(body.get("n")) is int and body["n"] > 4:
-            body["n"] = 4
-        for key in ("max_tokens", "max_completion_tokens"):
-            if type(body.get(key)) is int and body[key] > 8:
-                body[key] = 8
+        sampling = body.get("sampling_params")
+        for fields in (body, sampling if isinstance(sampling, dict) else {}):
+            if type(fields.get("n")) is int and fields["n"] > 4:
+                fields["n"] = 4
+            for key in ("max_tokens", "max_completion_tokens"):
+                if type(fields.get(key)) is int and fields[key] > 8:
+                    fields[key] = 8
         if (
             path == "/v1/chat/completions"
             and body.get("max_tokens") is None

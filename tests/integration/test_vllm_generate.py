@@ -1,0 +1,76 @@
+"""vLLM's token-in, token-out /inference/v1/generate on the real app (docs/http_api.md#vllm-routes):
+the same generation as a completion of the token-id prompt, in vLLM 0.33's tokens-mode shape,
+with weight versions labelled as vLLM labels them ("default" for the initial weights)."""
+
+from __future__ import annotations
+
+import pytest
+from integ_util import ok, write_perturbed_weights
+from transformers import AutoTokenizer
+
+pytestmark = pytest.mark.integration
+
+GENERATE = "/inference/v1/generate"
+
+
+@pytest.fixture(scope="module")
+def prompt(model_dir) -> list[int]:
+    return AutoTokenizer.from_pretrained(model_dir)("One two three").input_ids
+
+
+def test_greedy_tokens_are_the_completions_and_every_field_is_in_vllms_shape(http, prompt):
+    sampling = {"temperature": 0.0, "max_tokens": 6, "ignore_eos": True, "logprobs": 2, "prompt_logprobs": 1}
+    got = ok(http.post(GENERATE, json={"token_ids": prompt, "sampling_params": sampling, "request_id": "r-1"}))
+    same = ok(
+        http.post(
+            "/v1/completions",
+            json={"prompt": prompt, "temperature": 0.0, "max_tokens": 6, "ignore_eos": True, "logprobs": 2},
+        )
+    )["choices"][0]
+    assert got["request_id"] == "r-1" and got["output_mode"] == "tokens" and got["model"] == "tiny-llama"
+    (choice,) = got["choices"]
+    assert choice["token_ids"] == same["token_ids"] and len(choice["token_ids"]) == 6
+    assert choice["finish_reason"] == "length" and choice["index"] == 0
+    assert choice["weight_versions"] == [{"version": "default", "start": 0, "end": 6}]
+    content = choice["logprobs"]["content"]
+    assert [c["token_id"] for c in content] == choice["token_ids"]
+    for position, expected in zip(content, same["logprobs"]["token_logprobs"], strict=True):
+        assert position["logprob"] == pytest.approx(expected, abs=1e-4)
+        top = position["top_logprobs"]
+        assert top[0]["token_id"] == position["token_id"], "the sampled token comes first"
+        assert position["rank"] == 1, "greedy: the sampled token is the most likely"
+        assert [t["rank"] for t in top[1:]] == [2] and top[1]["logprob"] <= position["logprob"]
+    assert got["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 6, "total_tokens": len(prompt) + 6}
+    assert got["prompt_logprobs"][0] is None and len(got["prompt_logprobs"]) == len(prompt)
+    assert got["prompt_token_ids"] is None, "only with return_token_ids"
+
+
+def test_n_choices_seeds_and_the_labels_of_a_published_version(http, prompt, app, model_dir):
+    body = {"token_ids": prompt, "return_token_ids": True, "sampling_params": {"n": 3, "seed": 7, "max_tokens": 4}}
+    first = ok(http.post(GENERATE, json=body))
+    assert [c["index"] for c in first["choices"]] == [0, 1, 2] and first["prompt_token_ids"] == prompt
+    assert all(c["logprobs"] is None for c in first["choices"]), "no logprobs asked"
+    assert ok(http.post(GENERATE, json=body))["choices"] == first["choices"], "a seeded request repeats"
+    write_perturbed_weights(model_dir, app.weights_dir / "v3.safetensors", seed=3)
+    ok(http.post("/weights/update", json={"version": 3, "path": "v3.safetensors"}))
+    spans = ok(http.post(GENERATE, json=body))["choices"][0]["weight_versions"]
+    assert spans == [{"version": "3", "start": 0, "end": 4}]
+
+
+@pytest.mark.parametrize(
+    ("body", "code", "words"),
+    [
+        ({"token_ids": [1, 2], "sampling_params": {"structured_outputs": {"regex": "a"}}}, 422, "structured_outputs"),
+        ({"token_ids": [1, 2], "output_mode": "text"}, 422, "output_mode"),
+        ({"token_ids": [1, 2], "stream": True}, 422, "stream"),
+        ({"token_ids": [1, 2], "sampling_params": {"min_tokens": 9, "max_tokens": 2}}, 422, "min_tokens 9 is over"),
+        ({"token_ids": [1, 2], "sampling_params": {"max_tokens": None}}, 422, "max_tokens"),
+        ({"token_ids": [1, 10**9]}, 422, "out of range"),
+        ({"token_ids": []}, 422, "token_ids"),
+        ({"token_ids": [1, 2], "model": "other"}, 404, "model 'other' is not served"),
+        ({"token_ids": [1, 2], "cache_salt": "a/b"}, 422, "cache_salt"),
+    ],
+)
+def test_refusals_name_their_cause(http, body, code, words):
+    r = http.post(GENERATE, json=body)
+    assert r.status_code == code and words in r.text, r.text
