@@ -19,6 +19,7 @@ from fastapi import Depends
 from pydantic import BaseModel
 from ray.serve.handle import DeploymentHandle
 
+from profiling.config import StrictModel
 from serve_app.api import (
     ErrorResponse,
     IsPausedResponse,
@@ -54,6 +55,13 @@ _TOKENIZE_ERRORS: dict[int | str, dict[str, Any]] = {
 class WorldSize(BaseModel):
     world_size: int
     """Engine workers: of every replica (`include_dp`), or of one."""
+
+
+class ResetPrefixCache(StrictModel):
+    """`/reset_prefix_cache`'s options as a JSON body (SkyRL's client sends them so)."""
+
+    reset_running_requests: bool = False
+    reset_external: bool = False
 
 
 class ServerInfo(BaseModel):
@@ -155,13 +163,17 @@ class VllmRoutesMixin:
             return await self.replicas.detokenize.remote(body)
 
     async def reset_prefix_cache(
-        self, reset_running_requests: bool = False, reset_external: bool = False
+        self, reset_running_requests: bool = False, reset_external: bool = False, body: ResetPrefixCache | None = None
     ) -> ResetPrefixCacheResponse:
         """Empty the prefix cache of every replica's engine (every weight switch does it on its
         own): `success` false when an engine refused, as vLLM's does while requests in flight
         hold cached blocks (`reset_running_requests` preempts them; `reset_external`: a KV
-        connector's cache too). The embedded engine shares no KV between requests: nothing to
-        empty."""
+        connector's cache too). vLLM reads them from the query; SkyRL's client sends them as a
+        JSON body, which is read too (either one asking is enough). The embedded engine shares
+        no KV between requests: nothing to empty."""
+        if body is not None:
+            reset_running_requests = reset_running_requests or body.reset_running_requests
+            reset_external = reset_external or body.reset_external
         return await self.controller.reset_prefix_cache.remote(reset_running_requests, reset_external)
 
     async def _ranks(self) -> list[int]:
