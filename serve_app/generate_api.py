@@ -39,6 +39,13 @@ def version_label(version: int) -> str:
     return INITIAL_VERSION_LABEL if version == 0 else str(version)
 
 
+def version_of_label(label: str) -> int | None:
+    """The app's version a vLLM label names (None: a label no app version has)."""
+    if label == INITIAL_VERSION_LABEL:
+        return 0
+    return int(label) if label.isascii() and label.isdigit() and label[0] != "0" else None
+
+
 class SamplingParams(StrictModel):
     """vLLM's `SamplingParams` fields the app honours, with vLLM's defaults; any other is refused."""
 

@@ -13,6 +13,8 @@ if TYPE_CHECKING:
 
 # An absolute path of two or more components, not part of a URL or of a longer word.
 _ABSOLUTE = re.compile(r"(?<![\w.:/<>~-])/(?:[^\s/'\"`:,;()\[\]<>]+/)+[^\s/'\"`:,;()\[\]<>]*")
+ROUTES = ("/weights/update", "/profile/", "/v1/", "/inference/v1/generate")
+"""The app's own routes that look like paths: an answer that names one (as the way out) keeps it."""
 
 
 class Redactor:
@@ -23,7 +25,14 @@ class Redactor:
     def __call__(self, text: str) -> str:
         for path, key in self._roots:
             text = text.replace(path, f"<{key}>")
-        return _ABSOLUTE.sub(lambda m: "<path>/" + m.group(0).rstrip("/").rsplit("/", 1)[-1], text)
+        return _ABSOLUTE.sub(_last_component, text)
+
+
+def _last_component(match: re.Match[str]) -> str:
+    path = match.group(0)
+    if path.startswith(ROUTES):
+        return path
+    return "<path>/" + path.rstrip("/").rsplit("/", 1)[-1]
 
 
 def app_redactor(args: AppArgs) -> Redactor:

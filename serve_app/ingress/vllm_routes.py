@@ -1,8 +1,8 @@
 """vLLM's server routes that RL frameworks' clients call beside the OpenAI ones (TRL's
 `VLLMClient`, SkyRL's), with vLLM 0.33's shapes and the app's meanings (docs/http_api.md#vllm-routes):
-/get_world_size, /server_info and /is_paused (read-only), /tokenize and /detokenize (the served
-model's tokenizer, on a replica, as generation uses it), /reset_prefix_cache, /pause and /resume
-(control routes).
+/get_world_size, /server_info, /is_paused and /weight_info (read-only), /tokenize and /detokenize
+(the served model's tokenizer, on a replica, as generation uses it), /reset_prefix_cache, /pause,
+/resume and /update_weight_version (control routes).
 
 vLLM answers for one server: its workers (tensor x pipeline parallel) and its data-parallel
 copies. Here each rollout replica is one data-parallel copy, and its workers are the members it
@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
 from fastapi import Depends
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from ray.serve.handle import DeploymentHandle
 
 from profiling.config import StrictModel
@@ -29,7 +29,8 @@ from serve_app.api import (
     StatusResponse,
 )
 from serve_app.engines.options import EngineOptions
-from serve_app.errors import NotFound, Refused
+from serve_app.errors import Conflict, NotFound, Refused
+from serve_app.generate_api import version_label, version_of_label
 from serve_app.ingress.auth import require_control_token
 from serve_app.ingress.openai_routes import dispatch_errors
 from serve_app.limits import RequestLimits
@@ -64,6 +65,20 @@ class ResetPrefixCache(StrictModel):
     reset_external: bool = False
 
 
+class WeightInfo(BaseModel):
+    weight_version: str
+    """The served version as vLLM labels it ("default": the initial weights)."""
+
+
+class NewWeightVersion(StrictModel):
+    new_version: str = Field(min_length=1, max_length=64)
+
+
+class WeightVersionSet(BaseModel):
+    success: Literal[True] = True
+    new_version: str
+
+
 class ServerInfo(BaseModel):
     """vLLM's `/server_info`: `vllm_config` holds the app's answers in vLLM's config keys (a
     summary, not a vLLM config: the app has no other), as JSON or as text."""
@@ -96,7 +111,39 @@ class VllmRoutesMixin:
             "/resume", dependencies=[Depends(require_control_token)], responses=_PAUSE_ERRORS, tags=["vllm"]
         ),
         "is_paused": lambda app: app.get("/is_paused", tags=["vllm"]),
+        "weight_info": lambda app: app.get("/weight_info", tags=["vllm"]),
+        "update_weight_version": lambda app: app.post(
+            "/update_weight_version",
+            dependencies=[Depends(require_control_token)],
+            responses={409: {"model": ErrorResponse}, 422: {"model": ErrorResponse}},
+            tags=["vllm"],
+        ),
     }
+
+    async def weight_info(self) -> WeightInfo:
+        """The served weight version as vLLM labels it: "default" for the weights the engine
+        started with (the app's version 0), "k" for version k."""
+        status: StatusResponse = await self.controller.status.remote()
+        return WeightInfo(weight_version=version_label(status.weight_version))
+
+    async def update_weight_version(self, body: NewWeightVersion) -> WeightVersionSet:
+        """vLLM's relabelling of the served weights. The app's version changes only with its
+        weights (`/weights/update` publishes and labels them), so only the served version's own
+        label is taken (a no-op); any other is a 409 naming the way to publish it."""
+        version = version_of_label(body.new_version)
+        if version is None:
+            raise Refused(
+                f'new_version {body.new_version!r} names no version of this app: its versions are "default" (the '
+                "weights the engine started with) and positive integers"
+            )
+        status: StatusResponse = await self.controller.status.remote()
+        if version != status.weight_version:
+            raise Conflict(
+                f"version {status.weight_version} ({version_label(status.weight_version)!r}) is served; the app's "
+                f"version changes only with its weights: publish version {version} through POST /weights/update, "
+                "which labels the weights it loads"
+            )
+        return WeightVersionSet(new_version=body.new_version)
 
     async def pause(self, mode: Literal["abort", "wait", "keep"] = "abort", clear_cache: bool = True) -> PauseResponse:
         """Pause generation on every replica until `/resume`, or until client_pause_max_s passes

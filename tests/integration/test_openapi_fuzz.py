@@ -52,6 +52,8 @@ OPERATIONS: dict[tuple[str, str], int] = {
     ("POST", "/pause"): 15,
     ("POST", "/resume"): 5,
     ("GET", "/is_paused"): 5,
+    ("GET", "/weight_info"): 5,
+    ("POST", "/update_weight_version"): 10,
     ("GET", "/profile/status"): 15,
     ("GET", "/profile/clock"): 15,
     ("POST", "/profile/start"): 60,

