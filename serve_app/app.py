@@ -18,11 +18,7 @@ from serve_app.controller import RolloutController
 from serve_app.ingress import auth, settings
 from serve_app.ingress.builder import make_ingress
 from serve_app.ingress.http_options import serve_http_options
-from serve_app.ingress.openai_routes import OpenAIRoutesMixin
-from serve_app.ingress.ops_routes import OpsRoutesMixin
-from serve_app.ingress.profile_routes import ProfileRoutesMixin
-from serve_app.ingress.vllm_routes import VllmRoutesMixin
-from serve_app.ingress.weight_routes import WeightRoutesMixin
+from serve_app.ingress.routes import AppRoutes
 from serve_app.replica import RolloutReplica
 
 CONTROL_HEADROOM = 64
@@ -32,7 +28,7 @@ CONTROLLER_MAX_ONGOING = 1024
 """Control calls the controller takes at once: from every ingress and every replica, never generation."""
 
 
-class _Ingress(ProfileRoutesMixin, WeightRoutesMixin, OpenAIRoutesMixin, VllmRoutesMixin, OpsRoutesMixin):
+class _Ingress(AppRoutes):
     """An ingress replica: the HTTP routes. Generation goes to the rollout replicas by the load
     balancer; every control call goes to the controller (docs/design.md#control-path), so any
     number of ingress replicas share one control plane."""
@@ -50,16 +46,7 @@ class _Ingress(ProfileRoutesMixin, WeightRoutesMixin, OpenAIRoutesMixin, VllmRou
         self.num_replicas = args.num_replicas
 
 
-RolloutIngress = make_ingress(
-    _Ingress,
-    {
-        **ProfileRoutesMixin.ENDPOINTS,
-        **WeightRoutesMixin.ENDPOINTS,
-        **OpenAIRoutesMixin.ENDPOINTS,
-        **VllmRoutesMixin.ENDPOINTS,
-        **OpsRoutesMixin.ENDPOINTS,
-    },
-)
+RolloutIngress = make_ingress(_Ingress, AppRoutes.ROUTES)
 
 
 def parse_args(args: dict[str, Any]) -> AppArgs:

@@ -20,15 +20,11 @@ from serve_app.engines.options import EngineOptions
 from serve_app.ingress import settings
 from serve_app.ingress.builder import CancelOnDisconnect, create_fastapi_app
 from serve_app.ingress.listener import InProcess, Listener, bind
-from serve_app.ingress.openai_routes import OpenAIRoutesMixin
-from serve_app.ingress.ops_routes import OpsRoutesMixin
-from serve_app.ingress.profile_routes import ProfileRoutesMixin
-from serve_app.ingress.vllm_routes import VllmRoutesMixin
-from serve_app.ingress.weight_routes import WeightRoutesMixin
+from serve_app.ingress.routes import AppRoutes
 from serve_app.limits import RequestLimits
 
 
-class _ReplicaRoutes(ProfileRoutesMixin, WeightRoutesMixin, OpenAIRoutesMixin, VllmRoutesMixin, OpsRoutesMixin):
+class _ReplicaRoutes(AppRoutes):
     def __init__(self, replica: object, controller: DeploymentHandle, args: AppArgs):
         self.replicas = InProcess(replica)  # type: ignore[assignment]  # the handle's call shape
         self.controller = controller
@@ -45,15 +41,8 @@ def replica_app(replica: object, controller: DeploymentHandle, args: AppArgs) ->
     app = create_fastapi_app()
     app.add_middleware(CancelOnDisconnect)
     routes = _ReplicaRoutes(replica, controller, args)
-    for endpoints in (
-        ProfileRoutesMixin.ENDPOINTS,
-        WeightRoutesMixin.ENDPOINTS,
-        OpenAIRoutesMixin.ENDPOINTS,
-        VllmRoutesMixin.ENDPOINTS,
-        OpsRoutesMixin.ENDPOINTS,
-    ):
-        for name, route in endpoints.items():
-            route(app)(getattr(routes, name))
+    for name, route in AppRoutes.ROUTES.items():
+        route(app)(getattr(routes, name))
     return app
 
 
