@@ -98,6 +98,10 @@ class SamplingFields(StrictModel):
     return_tokens_as_token_ids: bool | None = None
     """Write each logprob's token as `token_id:<id>` instead of its text (vLLM's): exact where a
     token is not valid text on its own (part of a multi-byte character). Null: no."""
+    return_weight_versions: bool | None = None
+    """vLLM's switch for each choice's `weight_versions`: this app always returns them; true
+    writes each span's `version` as vLLM labels it (a string: "default" for the weights the
+    engine started with, "k" for version k) instead of this app's integer."""
     cache_salt: CacheSalt | None = None
     """Only requests with the same salt share prefix-cache blocks (vLLM's and SGLang's); the
     embedded engine shares no KV between requests, so there it changes nothing. vLLM's rules:

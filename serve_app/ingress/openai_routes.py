@@ -28,7 +28,7 @@ from serve_app.async_streams import merged
 from serve_app.choices import JobAccepted, JobDone, JobResult, OpenAIRequest, PromptJob
 from serve_app.engines.options import EngineOptions
 from serve_app.errors import ControlError, NotFound, Refused, Unavailable
-from serve_app.generate_api import GenerateRequest, GenerateResponse, generate_response
+from serve_app.generate_api import GenerateRequest, GenerateResponse, generate_response, version_label
 from serve_app.ingress.settings import current
 from serve_app.limits import RequestLimits
 from serve_app.openai_api import (
@@ -104,6 +104,7 @@ class OpenAIRoutesMixin:
             return await self._stream(body, jobs, CompletionChunk, "cmpl")
         results = await self._run(jobs)
         return _json(
+            body,
             CompletionResponse(
                 id=f"cmpl-{uuid.uuid4().hex}",
                 created=int(time.time()),
@@ -111,7 +112,7 @@ class OpenAIRoutesMixin:
                 choices=[c for r in results for c in r.choices],
                 usage=_usage(results),
                 weight_version=min(c.weight_version for r in results for c in r.choices),
-            )
+            ),
         )
 
     async def chat_completions(self, body: ChatCompletionRequest) -> Response:
@@ -123,6 +124,7 @@ class OpenAIRoutesMixin:
             return await self._stream(body, jobs, ChatCompletionChunk, "chatcmpl")
         results = await self._run(jobs)
         return _json(
+            body,
             ChatCompletionResponse(
                 id=f"chatcmpl-{uuid.uuid4().hex}",
                 created=int(time.time()),
@@ -131,7 +133,7 @@ class OpenAIRoutesMixin:
                 usage=_usage(results),
                 weight_version=min(c.weight_version for c in results[0].choices),
                 prompt_token_ids=results[0].choices[0].prompt_token_ids,
-            )
+            ),
         )
 
     async def generate_tokens(self, body: GenerateRequest) -> Response:
@@ -213,7 +215,7 @@ class OpenAIRoutesMixin:
                     if isinstance(item, JobDone):
                         completion_tokens += item.completion_tokens
                     else:
-                        yield _event(chunk(**head, choices=[item]))
+                        yield _event(chunk(**head, choices=[item]), labelled=bool(body.return_weight_versions))
                 if include_usage:
                     usage = Usage(
                         prompt_tokens=prompt_tokens,
@@ -232,10 +234,23 @@ class OpenAIRoutesMixin:
         return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-def _json(answer: CompletionResponse | ChatCompletionResponse) -> Response:
+def _json(body: OpenAIRequest, answer: CompletionResponse | ChatCompletionResponse) -> Response:
     """The answer as JSON, serialized by pydantic (FastAPI's encoder walks every token id in
-    Python: many times slower for n choices of long answers)."""
+    Python: many times slower for n choices of long answers); with `return_weight_versions`,
+    its spans labelled as vLLM labels them."""
+    if body.return_weight_versions:
+        return Response(_labelled(answer), media_type="application/json")
     return Response(answer.model_dump_json(), media_type="application/json")
+
+
+def _labelled(answer: BaseModel) -> str:
+    """`answer` as JSON with every choice's weight-version spans in vLLM's shape (`version` the
+    label: "default" for version 0, "k" for version k), as `return_weight_versions` asks."""
+    data = answer.model_dump(mode="json")
+    for choice in data["choices"]:
+        for span in choice.get("weight_versions") or ():
+            span["version"] = version_label(span["version"])
+    return json.dumps(data)
 
 
 def _usage(results: list[JobResult]) -> Usage:
@@ -244,8 +259,11 @@ def _usage(results: list[JobResult]) -> Usage:
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
-def _event(payload: BaseModel | dict[str, Any]) -> bytes:
-    data = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
+def _event(payload: BaseModel | dict[str, Any], labelled: bool = False) -> bytes:
+    if isinstance(payload, BaseModel):
+        data = _labelled(payload) if labelled else payload.model_dump_json()
+    else:
+        data = json.dumps(payload)
     return f"data: {data}\n\n".encode()
 
 

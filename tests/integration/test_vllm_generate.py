@@ -4,6 +4,8 @@ with weight versions labelled as vLLM labels them ("default" for the initial wei
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from integ_util import ok, write_perturbed_weights
 from transformers import AutoTokenizer
@@ -90,3 +92,21 @@ def test_weight_info_labels_the_served_version_and_a_relabel_only_names_it(http)
         r = http.post("/update_weight_version", json={"new_version": label})
         assert r.status_code == code and words in r.text, (label, r.text)
     assert ok(http.get("/weight_info")) == {"weight_version": "3"}
+
+
+def test_return_weight_versions_labels_the_openai_routes_spans_as_vllm_does(http):
+    """vLLM 0.33's field on both OpenAI routes, streamed too: the spans' versions as vLLM's string
+    labels; without it, this app's integers (version 3 is served by now)."""
+    ask = {"prompt": "One two", "max_tokens": 3, "ignore_eos": True}
+    plain = ok(http.post("/v1/completions", json=ask))["choices"][0]["weight_versions"]
+    assert plain == [{"version": 3, "start": 0, "end": 3}]
+    labelled = ok(http.post("/v1/completions", json={**ask, "return_weight_versions": True}))
+    assert labelled["choices"][0]["weight_versions"] == [{"version": "3", "start": 0, "end": 3}]
+    assert labelled["weight_version"] == 3, "the answer's own field stays the app's"
+    chat = {"messages": [{"role": "user", "content": "One"}], "max_tokens": 3, "return_weight_versions": True}
+    spans = ok(http.post("/v1/chat/completions", json=chat))["choices"][0]["weight_versions"]
+    assert [s["version"] for s in spans] == ["3"]
+    with http.stream("POST", "/v1/completions", json={**ask, "stream": True, "return_weight_versions": True}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    versions = {s["version"] for c in chunks for ch in c["choices"] for s in ch.get("weight_versions") or []}
+    assert versions == {"3"}, chunks
