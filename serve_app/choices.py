@@ -82,10 +82,9 @@ def sampling_for(request: OpenAIRequest, prompt_index: int, i: int, max_tokens: 
     """The engine-neutral sampling of choice `i` of prompt `prompt_index`."""
     if isinstance(request, CompletionRequest):
         logprobs = request.logprobs
-        prompt_logprobs = request.wants_prompt_logprobs()
     else:
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        prompt_logprobs = None
+    prompt_logprobs = request.wants_prompt_logprobs()
     return SamplingSpec(
         max_tokens=max_tokens,
         temperature=request.temperature,
@@ -186,6 +185,7 @@ class ChoiceBuilder:
                 message=AssistantMessage(content=self.text()),
                 finish_reason=finish,
                 logprobs=self._chat_logprobs(self.token_ids, self._logprobs),
+                prompt_logprobs=self._prompt_logprobs_out(),
                 **tokens,
             )
         return CompletionChoice(
@@ -285,7 +285,7 @@ class ChoiceBuilder:
     def _prompt_logprobs_out(self) -> PromptLogprobs | None:
         """vLLM's `prompt_logprobs`: per prompt position its token (with its rank) and the most
         likely ones (ranks 1, 2, ...), keyed by token id; null for the first position."""
-        if not isinstance(self._request, CompletionRequest) or self._request.prompt_logprobs is None:
+        if self._request.prompt_logprobs is None:
             return None
         if self._prompt_logprobs is None:
             return None

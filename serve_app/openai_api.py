@@ -213,6 +213,10 @@ class ChatCompletionRequest(SamplingFields):
     """With logprobs: the most likely tokens' logprobs at each position."""
     add_generation_prompt: bool = True
     """End the rendered prompt with the assistant turn's opening (vLLM's extension)."""
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    """Each token of the rendered conversation with its logprob and rank, plus the
+    `prompt_logprobs` most likely tokens', in the answer's `prompt_logprobs` (vLLM's shape and
+    place). Not with `stream` (vLLM's rule)."""
 
     @model_validator(mode="after")
     def _one_limit(self) -> ChatCompletionRequest:
@@ -220,7 +224,13 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError("give max_tokens or max_completion_tokens, not both")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs are not available with stream: true; ask without streaming")
         return self
+
+    def wants_prompt_logprobs(self) -> int | None:
+        """How many alternatives each prompt position needs (None: no prompt logprobs)."""
+        return self.prompt_logprobs
 
     def output_limit(self) -> int | None:
         return self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
@@ -316,6 +326,8 @@ class ChatChoice(ChoiceTokens):
     message: AssistantMessage
     finish_reason: FinishReason
     logprobs: ChatLogprobs | None = None
+    prompt_logprobs: PromptLogprobs | None = Field(None, exclude=True)
+    """Carried to the ingress, which puts it at the top of the answer, where vLLM's chat does."""
 
 
 class ChatCompletionResponse(BaseModel):
@@ -329,6 +341,8 @@ class ChatCompletionResponse(BaseModel):
     prompt_token_ids: list[int] | None = None
     """The rendered conversation's token ids, where vLLM puts them (each choice has them too;
     null from an app that predates them)."""
+    prompt_logprobs: PromptLogprobs | None = None
+    """With `prompt_logprobs` asked: vLLM's shape, per position of the rendered conversation."""
 
 
 # -- streamed chunks ---------------------------------------------------------------------------

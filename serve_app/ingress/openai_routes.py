@@ -133,6 +133,7 @@ class OpenAIRoutesMixin:
                 usage=_usage(results),
                 weight_version=min(c.weight_version for c in results[0].choices),
                 prompt_token_ids=results[0].choices[0].prompt_token_ids,
+                prompt_logprobs=results[0].choices[0].prompt_logprobs,
             ),
         )
 

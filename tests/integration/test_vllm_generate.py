@@ -110,3 +110,20 @@ def test_return_weight_versions_labels_the_openai_routes_spans_as_vllm_does(http
         chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     versions = {s["version"] for c in chunks for ch in c["choices"] for s in ch.get("weight_versions") or []}
     assert versions == {"3"}, chunks
+
+
+def test_chat_prompt_logprobs_score_the_rendered_conversation_as_completions_do(http):
+    """vLLM's chat `prompt_logprobs`, at the top of the answer: the same values a completion of
+    the rendered conversation's ids gives."""
+    messages = [{"role": "user", "content": "One two three"}]
+    chat = ok(http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1, "prompt_logprobs": 2}))
+    ids = chat["prompt_token_ids"]
+    assert ids == ok(http.post("/tokenize", json={"messages": messages}))["tokens"]
+    scored = chat["prompt_logprobs"]
+    assert len(scored) == len(ids) and scored[0] is None
+    assert all(str(t) in position for t, position in zip(ids[1:], scored[1:], strict=True))
+    assert "prompt_logprobs" not in chat["choices"][0], "vLLM's chat has them at the top only"
+    same = ok(http.post("/v1/completions", json={"prompt": ids, "max_tokens": 1, "prompt_logprobs": 2}))
+    assert same["choices"][0]["prompt_logprobs"] == scored
+    r = http.post("/v1/chat/completions", json={"messages": messages, "prompt_logprobs": 1, "stream": True})
+    assert r.status_code == 422 and "prompt_logprobs are not available with stream" in r.text, r.text
