@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -90,6 +91,13 @@ def tok(model_dir):
     return AutoTokenizer.from_pretrained(model_dir)
 
 
+def streamed_choices(resp: httpx.Response) -> Iterator[list[dict]]:
+    """Each server-sent chunk's choices, as they arrive."""
+    for line in resp.iter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield json.loads(line[6:])["choices"]
+
+
 def test_a_client_that_leaves_a_held_stream_frees_its_slot(vllm_app, http):
     """The client leaves while its sequence waits in vLLM's queue during a sync's admission hold
     (a running one on CPU finishes before a status call could see it; the engine's own test
@@ -139,10 +147,8 @@ def test_weight_sync_mid_stream_splits_vllms_spans(vllm_app, http):
             c.stream("POST", "/v1/completions", json=body) as resp,
         ):
             assert resp.status_code == 200
-            for line in resp.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                pieces += json.loads(line[6:])["choices"]
+            for choices in streamed_choices(resp):
+                pieces += choices
                 seen = sum(len(p["token_ids"]) for p in pieces)
                 # Early: vLLM on CPU finishes the rest within a few round trips of the sync.
                 if before is None and seen >= 4:
@@ -214,10 +220,8 @@ def test_a_client_pause_freezes_vllm_across_an_update_and_generate_labels_the_ne
                 c.stream("POST", "/v1/completions", json=body) as resp,
             ):
                 assert resp.status_code == 200
-                for line in resp.iter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    pieces += json.loads(line[6:])["choices"]
+                for choices in streamed_choices(resp):
+                    pieces += choices
                     if sent_in_pause is None and sum(len(p["token_ids"]) for p in pieces) >= 4:
                         ok(http.post("/pause", params={"mode": "keep"}))
                         sent_in_pause = pool.submit(

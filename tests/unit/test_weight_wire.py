@@ -112,7 +112,6 @@ def test_no_member_drops_the_group_before_every_member_is_done():
     under one still setting up its own (gloo fails that one's join with "Connection closed by
     peer", seen under load); a member that never finishes fails the wait after the timeout."""
     state = {"a": torch.arange(300, dtype=torch.float32), "b": torch.ones(5)}
-    store, transfer = _publisher(state)
     done: dict[str, BaseException | None] = {}
 
     def member(name: str, go: Callable[[], object]) -> threading.Thread:
@@ -127,20 +126,23 @@ def test_no_member_drops_the_group_before_every_member_is_done():
         thread.start()
         return thread
 
-    def receive(rank: int, timeout_s: float) -> Iterator[tuple[str, torch.Tensor]]:
-        client = weight_wire.connect_store("127.0.0.1", store.port, timeout_s)
-        return weight_wire.receive(
-            weight_wire.open_group(client, transfer, rank, 3, timeout_s), transfer, torch.device("cpu")
-        )
+    def start(timeout_s: float) -> tuple[threading.Thread, threading.Thread, Iterator[tuple[str, torch.Tensor]]]:
+        """A sync of `state` to two members: the sender and a fast member in threads, the slow
+        member's generator for the test to step through."""
+        store, transfer = _publisher(state)
 
-    sender = member(
-        "sender",
-        lambda: weight_wire.send(
-            weight_wire.open_group(store, transfer, 0, 3, 30), transfer, state, torch.device("cpu")
-        ),
-    )
-    fast = member("fast", lambda: dict(receive(1, 30)))
-    slow = receive(2, 3)
+        def receive(rank: int) -> Iterator[tuple[str, torch.Tensor]]:
+            client = weight_wire.connect_store("127.0.0.1", store.port, timeout_s)
+            group = weight_wire.open_group(client, transfer, rank, 3, timeout_s)
+            return weight_wire.receive(group, transfer, torch.device("cpu"))
+
+        def send() -> None:
+            group = weight_wire.open_group(store, transfer, 0, 3, timeout_s)
+            weight_wire.send(group, transfer, state, torch.device("cpu"))
+
+        return member("sender", send), member("fast", lambda: dict(receive(1))), receive(2)
+
+    sender, fast, slow = start(30)
     got = [next(slow) for _ in state]  # every tensor is here; the generator has not finished
     assert [name for name, _ in got] == list(state)
     time.sleep(0.5)
@@ -151,15 +153,7 @@ def test_no_member_drops_the_group_before_every_member_is_done():
     fast.join(30)
     assert done == {"sender": None, "fast": None}
 
-    store, transfer = _publisher(state)
-    sender = member(
-        "sender",
-        lambda: weight_wire.send(
-            weight_wire.open_group(store, transfer, 0, 3, 2), transfer, state, torch.device("cpu")
-        ),
-    )
-    fast = member("fast", lambda: dict(receive(1, 2)))
-    slow = receive(2, 2)
+    sender, fast, slow = start(2)
     [next(slow) for _ in state]  # and never finishes
     sender.join(30)
     fast.join(30)
