@@ -28,6 +28,8 @@ from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 from support.apps import ServeApp, deployed
 
+from serve_app.generate_api import version_label
+
 pytestmark = pytest.mark.integration
 
 TOKEN = "fuzz-token-fuzz-token"
@@ -140,6 +142,8 @@ def steer(path: str, case, data, http) -> None:
             and body.get("max_completion_tokens") is None
         ):
             body["max_tokens"] = 8
+    elif path == "/update_weight_version" and body is not None and data.draw(st.booleans(), label="the served label"):
+        body["new_version"] = version_label(status(http)["weight_version"])
     elif path == "/profile/steps/{k}" and data.draw(st.booleans(), label="a recorded step"):
         recorded = ok(http.get("/profile/steps"))["steps"]
         if recorded:

@@ -89,7 +89,9 @@ def test_skyrl_pause_keep_holds_a_request_across_the_update_until_resume(driven)
     assert pause["status"] == 200 and pause["body"]["status"] == "paused" and pause["body"]["mode"] == "keep"
     assert driven["update"]["status"] == 200 and driven["update"]["body"]["version"] == 1, driven["update"]
     assert driven["paused_after_update"]["is_paused"] is True, "the update's resume lifted the client's pause"
-    assert driven["in_flight_during_pause"], "the request in flight finished during the pause"
+    assert driven["in_flight_during_pause"], (
+        f"the request in flight finished during the pause ({driven['pause_attempts']})"
+    )
     (resume,) = driven["resume"].values()
     assert resume["body"]["status"] == "resumed" and driven["paused_after_resume"]["is_paused"] is False
     assert len(driven["in_flight"]["response_ids"][0]) == 400 and driven["in_flight"]["stop_reasons"] == ["length"]

@@ -32,15 +32,23 @@ async def drive(url: str, model: str, weights: str, version: int) -> dict:
         chat = {"messages": [{"role": "user", "content": "One two"}], "max_tokens": 4}
         got["chat"] = await client.chat_completion({"json": chat})
         # A weight sync as SkyRL brackets it, with a request in flight: pause(keep), publish, resume.
+        # On an idle machine the tiny model may finish the request before the pause lands: then
+        # resume and try again, until the pause catches it in flight.
         long = {"prompt_token_ids": [prompt], "sampling_params": {"max_tokens": 400, **GREEDY}}
-        running = asyncio.ensure_future(client.generate(long))  # type: ignore[arg-type]
-        await asyncio.sleep(0.5)
-        got["pause"] = await client.pause(mode="keep")
+        for attempt in range(10):
+            running = asyncio.ensure_future(client.generate(long))  # type: ignore[arg-type]
+            await asyncio.sleep(0.05 * attempt)
+            got["pause"] = await client.pause(mode="keep")
+            got["pause_attempts"] = attempt + 1
+            if not running.done():
+                break
+            await client.resume()
         async with aiohttp.ClientSession() as http:  # the trainer's publish, as the app takes it
             async with http.post(f"{url}/weights/update", json={"version": version, "path": weights}) as r:
                 got["update"] = {"status": r.status, "body": await r.json()}
             async with http.get(f"{url}/is_paused") as r:
                 got["paused_after_update"] = await r.json()
+            await asyncio.sleep(1.0)  # the unpaused engine makes the whole request in well under this
             got["in_flight_during_pause"] = not running.done()
             got["resume"] = await client.resume()
             got["in_flight"] = dict(await running)
