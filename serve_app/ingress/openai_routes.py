@@ -155,8 +155,7 @@ class OpenAIRoutesMixin:
     def _check(self, body: OpenAIRequest, prompts: int, chars: dict[str, int]) -> None:
         """Before anything is tokenized or queued: the model, the engine's fields, the size.
         `chars`: the characters of each text to tokenize, by the name a refusal gives it."""
-        if body.model is not None and body.model != self.model_name:
-            raise NotFound(f"model {body.model!r} is not served; this app serves {self.model_name!r}")
+        check_served(body.model, self.model_name)
         options = self.engine_options
         for name, why in options.unsupported_sampling.items():
             if name in body.model_fields_set and getattr(body, name) != type(body).model_fields[name].default:
@@ -169,11 +168,7 @@ class OpenAIRoutesMixin:
                 f"{prompts} prompts x n={body.n} = {prompts * body.n} choices, over request_limits.max_choices "
                 f"{limits.max_choices}"
             )
-        for name, count in chars.items():
-            if count > limits.max_prompt_chars:
-                raise Refused(
-                    f"{name}: {count} characters, over request_limits.max_prompt_chars {limits.max_prompt_chars}"
-                )
+        check_chars(limits, chars)
 
     def _calls(self, jobs: list[PromptJob]) -> list[list[PromptJob]]:
         """The prompts of a request in as few handle calls as still spread it over the replicas
@@ -280,6 +275,20 @@ def _stream_error(e: Exception) -> dict[str, Any]:
         cause = str(getattr(other, "cause", None) or other).strip().splitlines()
         status, message = 500, f"{type(other).__name__}: {cause[0] if cause else ''}"
     return {"error": {"message": current().redact(message), "code": status}}
+
+
+def check_served(model: str | None, served: str) -> None:
+    """NotFound (404) when a request names a model other than the served one."""
+    if model is not None and model != served:
+        raise NotFound(f"model {model!r} is not served; this app serves {served!r}")
+
+
+def check_chars(limits: RequestLimits, chars: dict[str, int]) -> None:
+    """Refused (422) naming a text over max_prompt_chars; `chars`: each text's length by the name
+    a refusal gives it."""
+    for name, count in chars.items():
+        if count > limits.max_prompt_chars:
+            raise Refused(f"{name}: {count} characters, over request_limits.max_prompt_chars {limits.max_prompt_chars}")
 
 
 @contextlib.contextmanager

@@ -29,10 +29,10 @@ from serve_app.api import (
     StatusResponse,
 )
 from serve_app.engines.options import EngineOptions
-from serve_app.errors import Conflict, NotFound, Refused
+from serve_app.errors import Conflict, Refused
 from serve_app.generate_api import version_label, version_of_label
 from serve_app.ingress.auth import require_control_token
-from serve_app.ingress.openai_routes import dispatch_errors
+from serve_app.ingress.openai_routes import check_chars, check_served, dispatch_errors
 from serve_app.limits import RequestLimits
 from serve_app.tokenize_api import (
     DetokenizeRequest,
@@ -194,18 +194,16 @@ class VllmRoutesMixin:
     async def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
         """A text prompt's token ids (`prompt`), or a conversation's rendered with the model's
         chat template (`messages`), exactly as the OpenAI routes tokenize them."""
-        self._served(body.model)
+        check_served(body.model, self.model_name)
         field = "messages" if isinstance(body, TokenizeChatRequest) else "prompt"
         chars = sum(len(m.text()) for m in body.messages) if isinstance(body, TokenizeChatRequest) else len(body.prompt)
-        limit = self.request_limits.max_prompt_chars
-        if chars > limit:
-            raise Refused(f"{field}: {chars} characters, over request_limits.max_prompt_chars {limit}")
+        check_chars(self.request_limits, {field: chars})
         with dispatch_errors(field):
             return await self.replicas.tokenize.remote(body)
 
     async def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
         """The text of token ids, special tokens kept (vLLM's)."""
-        self._served(body.model)
+        check_served(body.model, self.model_name)
         with dispatch_errors("tokens"):
             return await self.replicas.detokenize.remote(body)
 
@@ -227,7 +225,3 @@ class VllmRoutesMixin:
         """Each running replica's engine workers (one where a replica does not say)."""
         status: StatusResponse = await self.controller.status.remote()
         return [r.transfer_ranks or 1 for r in status.replicas] or [1] * self.num_replicas
-
-    def _served(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise NotFound(f"model {model!r} is not served; this app serves {self.model_name!r}")
