@@ -19,6 +19,9 @@ from profiling.weight_source import WeightSource, read_old_spelling
 
 Role = Literal["rollout", "trainer"]
 ManifestStatus = Literal["recording", "exporting", "complete", "partial"]
+Driver = Literal["server", "client"]
+"""Who started a window: `client`, a call of /profile/start (this project's trainer client, or
+any other); `server`, the app's own `global_profiler` schedule at a version change it saw."""
 AutoStop = Literal["max_forward_steps", "max_duration_s", "max_trace_mb"]
 """Why a window stopped recording before its stop."""
 
@@ -237,6 +240,7 @@ class SessionRecord(BaseModel):
     replicas: list[str] = Field(default_factory=list, description="Replicas that started it.")
     failures: dict[str, str] = Field(default_factory=dict, description="replica_id -> why it has no (complete) trace.")
     auto_stopped: str | None = None
+    driver: Driver = "client"
     clock_offsets: dict[str, ClockOffset] = Field(
         default_factory=dict, description="replica_id -> its wall clock against the controller's."
     )
@@ -317,6 +321,8 @@ class StepManifest(BaseModel):
     stopped_at: float | None = None
     auto_stopped: str | None = None
     """Set when the controller stopped the step itself (e.g. `max_duration_s`)."""
+    driver: Driver = "client"
+    """Who started the window: `server` when the app's own schedule did (docs/design.md#who-drives)."""
     sync: SyncCost | None = None
     entries: list[ManifestEntry] = Field(default_factory=list)
     merge: MergeRecord | None = None
@@ -366,6 +372,7 @@ class StepManifest(BaseModel):
             started_at=session.started_at if session else None,
             stopped_at=session.stopped_at if session else None,
             auto_stopped=session.auto_stopped if session else None,
+            driver=session.driver if session else "client",
             sync=sync,
             entries=merged,
         )

@@ -89,3 +89,18 @@ class StepSchedule:
             stop_step=ending,
             start_step=next_step if next_step == version + 1 else None,
         )
+
+    def on_publish(self, version: int, active: list[int] | None) -> SyncPlan:
+        """The plan of a server that sees `version` published while the window of steps
+        `active` records (None: none), where versions may skip (a client may publish 5 after 3):
+        the active window stops when it ends at or before `version` (else the update falls
+        inside it), and the window beginning at `version + 1` starts. For consecutive versions
+        and the window the schedule started, the same plan as `sync(version)`."""
+        inside = active is not None and active[-1] > version
+        next_step = self.window_label(version + 1)
+        return SyncPlan(
+            version=version,
+            stop_step=active[0] if active is not None and not inside else None,
+            start_step=version + 1 if next_step == version + 1 and not inside else None,
+            update_inside_window=inside,
+        )

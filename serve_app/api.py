@@ -13,7 +13,7 @@ from typing import Any, Literal, Self
 from pydantic import BaseModel, Field, model_validator
 
 from profiling.config import MAX_STEP, Activity, SafeName, StepNumber, StrictModel, Tool
-from profiling.manifest import ManifestStatus
+from profiling.manifest import Driver, ManifestStatus
 from profiling.weight_source import WeightSource
 from serve_app.weights.buckets import plan_buckets
 from serve_app.weights.collective_schema import CollectiveTransfer
@@ -230,6 +230,20 @@ class UpdateWeightsResponse(BaseModel):
         description="Seconds the bytes took to reach the replicas before the load: the object store's fetch, "
         "the collective's broadcast (measured by the publisher); None for a path the replicas read.",
     )
+    schedule: ScheduleActions | None = Field(
+        None, description="What the app's own global_profiler schedule did around this update (null: it drives not)."
+    )
+
+
+class ScheduleActions(BaseModel):
+    """The profiling calls the app's own schedule made around one weight update."""
+
+    stopped_step: int | None = None
+    """The window it stopped before the load (with the hold, so nothing slipped through)."""
+    started_step: int | None = None
+    """The window it started after the load, before generation resumed."""
+    error: str | None = None
+    """Why the window due to start did not (its traces are missing; the update itself held)."""
 
 
 class PauseResponse(BaseModel):
@@ -271,6 +285,11 @@ class StatusResponse(BaseModel):
     steps: list[int] = Field(default_factory=list)
     weight_version: int
     paused: bool
+    driver: Driver | None = Field(
+        None,
+        description="Who drives the steps: server (the app's global_profiler schedule), client (a client "
+        "called /profile/start or /profile/stop), or null (neither yet).",
+    )
     replicas: list[ReplicaReport]
     control_timeout_s: float = Field(
         description="The app's control_timeout_s: a client sizes its waits for control calls from it."

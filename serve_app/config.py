@@ -20,7 +20,7 @@ from pydantic import (
     model_validator,
 )
 
-from profiling.config import ProfileOptions, StrictModel
+from profiling.config import ProfileOptions, StepNumber, StrictModel
 from profiling.weight_source import WeightSource, read_old_spelling
 from serve_app.engines.options import Capability, EngineOptions
 from serve_app.engines.registry import DEFAULT_ENGINE, ENGINE_OPTIONS, EngineName
@@ -39,6 +39,21 @@ class ListenerOptions(StrictModel):
     default; any other needs a control token (control_token_env or control_token_file)."""
     port: int = Field(ge=1, le=65535)
     """Its TCP port (the app's HTTP port is Serve's, http_options.port)."""
+
+
+class AppSchedule(StrictModel):
+    """verl's `global_profiler` keys that the app applies itself, at every version change it
+    sees, whichever route brought it: the server drives the steps (docs/design.md#who-drives)."""
+
+    steps: list[StepNumber] = Field(min_length=1)
+    """Profiled steps, e.g. [1, 2, 5]: step k is the generation on weights k-1."""
+    profile_continuous_steps: bool = False
+    """Merge consecutive profiled steps into one window labelled by its first step."""
+
+    @field_validator("steps")
+    @classmethod
+    def _sorted_unique(cls, steps: list[int]) -> list[int]:
+        return sorted(set(steps))
 
 
 class _AppArgs(StrictModel):
@@ -111,6 +126,10 @@ class _AppArgs(StrictModel):
     """The replicas' profiler settings; a /profile/start may override some of them."""
     start_limits: StartLimits = Field(default_factory=StartLimits, validate_default=True)
     """The most a /profile/start may ask for (422 above it)."""
+    global_profiler: AppSchedule | None = None
+    """The steps the app profiles on its own, keyed to the weight versions clients publish, with
+    the `profiler` settings: for frameworks that never call /profile/* (docs/design.md#who-drives).
+    A client's /profile/start or /profile/stop takes over from it. null: only clients drive."""
     request_limits: RequestLimits = Field(default_factory=RequestLimits)
     """Bounds on generation requests (413, 422, 503 above them)."""
     model_path: str | None = None
@@ -236,6 +255,13 @@ class _AppArgs(StrictModel):
             ENGINE_OPTIONS[engine].require(Capability.PROFILE, "remove the profiler block")
             ENGINE_OPTIONS[engine].check_profiler(profiler, profiler)
         return profiler
+
+    @field_validator("global_profiler")
+    @classmethod
+    def _engine_profiles(cls, schedule: AppSchedule | None, info: ValidationInfo) -> AppSchedule | None:
+        if schedule is not None and (engine := info.data.get("engine")) is not None:
+            ENGINE_OPTIONS[engine].require(Capability.PROFILE, "remove global_profiler")
+        return schedule
 
     @field_validator("start_limits")
     @classmethod

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable
 from typing import Any
 
 import ray
@@ -45,6 +46,7 @@ from serve_app.config import AppArgs
 from serve_app.control.client_pause import ClientPauses
 from serve_app.control.fleet import Fleet
 from serve_app.control.profile_control import ProfileControl
+from serve_app.control.server_schedule import ServerSchedule
 from serve_app.control.shielded import ShieldedCalls
 from serve_app.control.step_records import StepRecords
 from serve_app.control.weight_control import WeightControl
@@ -88,10 +90,13 @@ class RolloutController:
         self.weights = WeightControl(self._fleet, args)
         self.pauses = ClientPauses(self._fleet, args)
         await self.pauses.recover()
+        self.schedule = ServerSchedule(self._fleet, self.profile, args)
+        await self.schedule.hold_until_begun()  # before any replica reads the desired state
         self._calls = ShieldedCalls()
         # A restart mid-step resumes it (its watchdog, replicas that missed it, its record), in the
         # background: replicas that are starting wait for this constructor to answer them.
         self.records.background(self._calls.run("recover", self.profile.recover))
+        self.records.background(self._calls.run("begin", self.schedule.begin))
         self._listener: ControlListener | None = None
         if (listener := args.control_listener) is not None:
             http = await asyncio.to_thread(serve_http_options)
@@ -118,13 +123,26 @@ class RolloutController:
         return await self.records.step(k)
 
     # -- /weights/* and the in-cluster calls ----------------------------------------------------
+    # Every source goes around the app's own schedule, which stops and starts steps when it drives.
     async def update_weights(self, req: UpdateWeightsRequest) -> UpdateWeightsResponse:
-        return await self._calls.run("update_weights", lambda: self.weights.update_weights(req))
+        def update(resume: bool) -> Awaitable[UpdateWeightsResponse]:
+            return self.weights.update_weights(req.model_copy(update={"resume": resume}))
+
+        await self.weights.precheck(req.version, req.path)
+        return await self._calls.run(
+            "update_weights", lambda: self.schedule.around_update(req.version, req.resume, update)
+        )
 
     async def update_weights_in_cluster(
         self, req: InClusterWeightsRequest, refs: list[ray.ObjectRef]
     ) -> UpdateWeightsResponse:
-        return await self._calls.run("update_weights", lambda: self.weights.update_weights_in_cluster(req, refs))
+        def update(resume: bool) -> Awaitable[UpdateWeightsResponse]:
+            return self.weights.update_weights_in_cluster(req.model_copy(update={"resume": resume}), refs)
+
+        await self.weights.precheck(req.version, None)
+        return await self._calls.run(
+            "update_weights", lambda: self.schedule.around_update(req.version, req.resume, update)
+        )
 
     async def engine_rpc(
         self, method: str, args: list[Any], kwargs: dict[str, Any], timeout_s: float | None

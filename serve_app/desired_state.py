@@ -25,6 +25,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field, model_validator
 from ray.experimental import internal_kv
 
+from profiling.manifest import Driver
 from profiling.session import SessionSpec
 from profiling.weight_source import WeightSource
 from serve_app.api import ClientPauseMode
@@ -87,6 +88,9 @@ class DesiredState(BaseModel):
     paused: bool = False
     """The sync's admission hold (a stop with pause, an update with resume false)."""
     client_pause: ClientPause | None = None
+    driver: Driver | None = None
+    """Who drives the steps: `server` once the app's own schedule started a window, `client` for
+    good once a client called /profile/start or /profile/stop (docs/design.md#who-drives)."""
 
     @model_validator(mode="before")
     @classmethod

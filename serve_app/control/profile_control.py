@@ -9,7 +9,7 @@ import contextlib
 import logging
 import time
 
-from profiling.manifest import SessionRecord
+from profiling.manifest import Driver, SessionRecord
 from profiling.session import SessionSpec
 from serve_app.api import (
     Outcome,
@@ -60,14 +60,20 @@ class ProfileControl:
                 await self._fleet.publish(desired)
 
     # -- /profile/start -------------------------------------------------------------------
-    async def start(self, req: StartProfileRequest) -> StartProfileResponse:
+    async def start(self, req: StartProfileRequest, driver: Driver = "client") -> StartProfileResponse:
+        """Start `req.step` (the active one again: idempotent). `driver`: who asks, a client's
+        call or the app's own schedule; a client's takes the driving over for good."""
         require(self._args, Capability.PROFILE)
         async with self._fleet.lock, timed_call("start"):
             desired = await self._fleet.desired()
+            taking_over = driver == "client" and desired.driver != "client"
+            desired.driver = "client" if desired.driver == "client" else driver
             steps = sorted(set(req.steps or [req.step]))
             # Distinct and sorted: consecutive exactly when they span len(steps) numbers.
             if req.step not in steps or steps[-1] - steps[0] + 1 != len(steps):
                 raise Refused(f"steps {steps} must be consecutive and include step {req.step}")
+            if taking_over:  # recorded before anything can refuse: the client drives from now on
+                await self._fleet.publish(desired)
             if desired.active is not None and desired.active.step != req.step:
                 raise Conflict(f"step {desired.active.step} is being profiled; stop it before starting step {req.step}")
             if desired.active is not None:  # the active step again: idempotent, joins replicas that missed it
@@ -79,6 +85,7 @@ class ProfileControl:
             await self._records.prepare(req.step)
             spec = SessionSpec(step=req.step, steps=steps, options=options, tag=req.tag)
             record = self._session_record(spec, None)
+            record.driver = driver
             desired.active, desired.paused = spec, False
             await self._fleet.publish(desired)
             self._arm_watchdog(spec)  # with the publish: whatever happens next, the step ends
@@ -159,7 +166,7 @@ class ProfileControl:
             await asyncio.sleep(max(0.0, delay))
             log.warning("step %s reached max_duration_s=%s; stopping it", spec.step, limit)
             with contextlib.suppress(ControlError):  # already stopped, or another step is active
-                await self.stop(StopProfileRequest(step=spec.step), reason="max_duration_s")
+                await self.stop(StopProfileRequest(step=spec.step), reason="max_duration_s", driver=None)
 
         self._watchdog, self._watched = asyncio.ensure_future(expire()), spec.step
 
@@ -169,13 +176,21 @@ class ProfileControl:
         self._watchdog = self._watched = None
 
     # -- /profile/stop --------------------------------------------------------------------
-    async def stop(self, req: StopProfileRequest, reason: str | None = None) -> StopProfileResponse:
+    async def stop(
+        self, req: StopProfileRequest, reason: str | None = None, driver: Driver | None = "client"
+    ) -> StopProfileResponse:
+        """Stop `req.step`. `reason`: why the app stops it itself (its watchdog); `driver`: who
+        asks (None: the app's watchdog, which drives nothing); a client's call takes the
+        driving over for good."""
         require(self._args, Capability.PROFILE)
         if req.pause:
             require(self._args, Capability.PAUSE, "pause: true")
         async with self._fleet.lock, timed_call("stop"):
             t0 = time.perf_counter()
             desired = await self._fleet.desired()
+            if driver == "client" and desired.driver != "client":
+                desired.driver = "client"
+                await self._fleet.publish(desired)
             if desired.active is None and self._last_stop is not None and self._last_stop[0] == req:
                 # A repeat of the stop that stopped this step (its caller timed out or retried): its
                 # answer again, and nothing else (a hold it asked for may have ended since, by design).
@@ -258,6 +273,7 @@ class ProfileControl:
             steps=desired.active.steps if desired.active else [],
             weight_version=desired.weight_version,
             paused=desired.paused,
+            driver=desired.driver,
             replicas=reports,
             control_timeout_s=self._args.control_timeout_s,
         )

@@ -56,6 +56,20 @@ class WeightControl:
                 assert req.path is not None
                 return await self._by_path(req.version, req.path, req.resume)
 
+    async def precheck(self, version: int, path: str | None) -> None:
+        """The refusals an update meets before it reaches a replica (an older version: 409; a
+        path that is not a checkpoint inside weights_dir: 422), checked ahead of it, so the
+        app's own schedule does not stop a step for an update that cannot happen. The update
+        checks them again, under the control lock."""
+        desired = await self._fleet.desired()
+        if version < desired.weight_version:
+            raise Conflict(f"version {version} is older than the served version {desired.weight_version}")
+        if path is not None:
+            try:
+                await asyncio.to_thread(resolve_weights_path, path, self._weights_dir)
+            except WeightsError as e:
+                raise Refused(f"path: {e}") from e
+
     async def _by_path(self, version: int, path_given: str, resume: bool) -> UpdateWeightsResponse:
         require(self._args, Capability.LOAD_PATH, "source path")
         async with self._fleet.lock, timed_call("update_weights"):

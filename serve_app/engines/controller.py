@@ -217,6 +217,12 @@ class EngineController(WeightControl):
         await asyncio.wait([acked, done], return_when=asyncio.FIRST_COMPLETED)
         return acked.result() if acked.done() else done.result()
 
+    async def release_hold(self) -> None:
+        """End the sync's admission hold without a start or an update (the app's own schedule
+        held for an update that then failed); a client's pause stays."""
+        async with self._control:
+            await self._admission.release()
+
     async def wait_exported(self, step: int, timeout_s: float) -> ManifestEntry | None:
         """This replica's final entry for `step` once its export is done (None: none)."""
         return await asyncio.to_thread(self._session.wait_exported, step, timeout_s)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, ClassVar
 
+from serve_app.ingress.engine_profile_routes import EngineProfileRoutesMixin
 from serve_app.ingress.openai_routes import OpenAIRoutesMixin
 from serve_app.ingress.ops_routes import OpsRoutesMixin
 from serve_app.ingress.profile_routes import ProfileRoutesMixin
@@ -14,11 +15,19 @@ from serve_app.ingress.vllm_routes import VllmRoutesMixin
 from serve_app.ingress.weight_routes import WeightRoutesMixin
 
 
-class AppRoutes(ProfileRoutesMixin, WeightRoutesMixin, OpenAIRoutesMixin, VllmRoutesMixin, OpsRoutesMixin):
+class AppRoutes(
+    ProfileRoutesMixin,
+    EngineProfileRoutesMixin,
+    WeightRoutesMixin,
+    OpenAIRoutesMixin,
+    VllmRoutesMixin,
+    OpsRoutesMixin,
+):
     """The route handlers; a subclass sets the handles and settings they read."""
 
     ROUTES: ClassVar[dict[str, Callable[[Any], Any]]] = {
         **ProfileRoutesMixin.ENDPOINTS,
+        **EngineProfileRoutesMixin.ENDPOINTS,
         **WeightRoutesMixin.ENDPOINTS,
         **OpenAIRoutesMixin.ENDPOINTS,
         **VllmRoutesMixin.ENDPOINTS,

@@ -128,6 +128,10 @@ class ControlPlane:
             },
         )
 
+    async def release_hold(self) -> ReplicaReport:
+        """End the sync's admission hold (the update it held for failed)."""
+        return await self._control("release failed", self.engine.release_hold())
+
     async def update_weights(self, version: int, path: str | None, resume: bool) -> ReplicaReport:
         """Load `version` from `path`."""
         return await self._control(

@@ -60,11 +60,15 @@ OPERATIONS: dict[tuple[str, str], int] = {
     ("GET", "/profile/clock"): 15,
     ("POST", "/profile/start"): 60,
     ("POST", "/profile/stop"): 60,
+    ("POST", "/start_profile"): 20,
+    ("GET", "/start_profile"): 10,
+    ("POST", "/stop_profile"): 5,
+    ("GET", "/stop_profile"): 5,
     ("POST", "/weights/update"): 60,
     ("GET", "/profile/steps"): 15,
     ("GET", "/profile/steps/{k}"): 30,
 }
-STATEFUL = {"/profile/start", "/profile/stop", "/weights/update", "/pause"}
+STATEFUL = {"/profile/start", "/profile/stop", "/weights/update", "/pause", "/start_profile"}
 GENERATION = {"/v1/completions", "/v1/chat/completions", "/inference/v1/generate"}
 
 

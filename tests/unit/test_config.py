@@ -196,3 +196,16 @@ def test_keep_steps_must_leave_room_for_the_export_backlog_and_the_started_step(
     assert "lower max_exporting_steps, or set keep_steps: null" in message
     assert AppArgs(keep_steps=least, max_exporting_steps=max_exporting_steps).keep_steps == least
     assert AppArgs(max_exporting_steps=max_exporting_steps).keep_steps is None
+
+
+# -- the app's own schedule ---------------------------------------------------------------------
+def test_app_global_profiler_takes_verls_keys_and_refuses_an_empty_schedule():
+    from serve_app.config import AppArgs
+
+    args = AppArgs(global_profiler={"steps": [5, 1, 2, 2], "profile_continuous_steps": True})
+    assert args.global_profiler is not None and args.global_profiler.steps == [1, 2, 5]
+    assert AppArgs().global_profiler is None
+    with pytest.raises(ValidationError, match=r"global_profiler\.steps"):
+        AppArgs(global_profiler={"steps": []})
+    with pytest.raises(ValidationError, match=r"unknown key 'global_profiler\.save_path'|global_profiler\.save_path"):
+        AppArgs(global_profiler={"steps": [1], "save_path": "/tmp/x"})  # the app's own save_path rules

@@ -187,3 +187,38 @@ def test_unprofiled_steps_cost_nothing(steps, continuous):
     for k in range(1, 35):
         if not s.is_profiled(k) and not s.is_profiled(k + 1):
             assert s.sync(k).control_calls == 0
+
+
+# -- a server's plan: versions as it sees them published ------------------------------------
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    steps=st.lists(st.integers(min_value=1, max_value=30), max_size=12),
+    continuous=st.booleans(),
+    extra=st.integers(min_value=0, max_value=5),
+)
+def test_on_publish_equals_the_trainer_plan_for_consecutive_versions(steps, continuous, extra):
+    s = StepSchedule(steps, continuous)
+    active = s.window_steps(1) if s.begin() == 1 else None
+    for k in range(1, max(steps, default=0) + extra + 1):
+        server = s.on_publish(k, list(active) if active else None)
+        assert server == s.sync(k), k
+        if server.stop_step is not None:
+            active = None
+        if server.start_step is not None:
+            active = s.window_steps(server.start_step)
+
+
+def test_on_publish_when_versions_skip():
+    s = StepSchedule([1, 2, 5])
+    # Step 2's window is recording and version 4 comes next: it stops, and step 5 starts.
+    assert s.on_publish(4, [2]) == SyncPlan(version=4, stop_step=2, start_step=5)
+    # Past every window: nothing is recording and nothing starts.
+    assert s.on_publish(9, None) == SyncPlan(version=9)
+    # A continuous window {1, 2} holds versions up to 2 inside it; 3 jumps past it and stops it.
+    c = StepSchedule([1, 2, 5], continuous=True)
+    assert c.on_publish(1, [1, 2]) == SyncPlan(version=1, update_inside_window=True)
+    assert c.on_publish(3, [1, 2]) == SyncPlan(version=3, stop_step=1)
+    # Step 5's window starts when version 4 is published; a publication past it starts nothing.
+    assert c.on_publish(5, None) == SyncPlan(version=5)

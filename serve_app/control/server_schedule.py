@@ -1,0 +1,151 @@
+"""The app's own step schedule (its args' `global_profiler`): the server drives the profiled
+steps at every version change it sees, whichever route brought it, for frameworks that never
+call /profile/* (docs/design.md#who-drives).
+
+It makes the calls this project's trainer client makes (docs/design.md#sync-order), from the
+same `StepSchedule`: at the update that publishes version k, it stops the window ending at k
+with the hold, loads the weights, and starts the window beginning at k+1 before generation
+resumes. A client's /profile/start or /profile/stop takes the driving over for good: from then
+on this schedule does nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from profiling.schedule import StepSchedule
+from serve_app.api import ScheduleActions, StartProfileRequest, StopProfileRequest, UpdateWeightsResponse
+from serve_app.config import AppArgs
+from serve_app.control.fleet import Fleet
+from serve_app.control.profile_control import ProfileControl
+from serve_app.errors import BacklogFull, ControlError
+
+log = logging.getLogger(__name__)
+
+BEGIN_POLL_S = 0.5
+"""How often the first window's start looks for the replicas while they start."""
+
+Update = Callable[[bool], Awaitable[UpdateWeightsResponse]]
+"""A weight update of any source, given whether it resumes generation when it is done."""
+
+
+class ServerSchedule:
+    """The steps of `global_profiler`, started and stopped by the app itself."""
+
+    def __init__(self, fleet: Fleet, profile: ProfileControl, args: AppArgs):
+        cfg = args.global_profiler
+        self._schedule = None if cfg is None else StepSchedule(cfg.steps, cfg.profile_continuous_steps)
+        self._fleet = fleet
+        self._profile = profile
+        self._args = args
+        self._sync = asyncio.Lock()
+        """One update's stop -> load -> start at a time."""
+
+    async def driving(self) -> bool:
+        """Whether the app drives the steps: it has a schedule and no client took over."""
+        return self._schedule is not None and (await self._fleet.desired()).driver != "client"
+
+    def _first_window(self) -> int | None:
+        return None if self._schedule is None else self._schedule.begin()
+
+    async def hold_until_begun(self) -> None:
+        """At a fresh deployment whose schedule profiles step 1: hold generation (the sync's
+        hold, bounded by hold_timeout_s) until `begin` starts it, so no forward pass on the
+        initial weights runs before step 1's window. Replicas that start read the hold."""
+        desired = await self._fleet.desired()
+        fresh = desired.driver is None and desired.weight_version == 0 and desired.active is None
+        if self._first_window() is None or not fresh or desired.paused:
+            return
+        async with self._fleet.lock:
+            desired.paused = True
+            await self._fleet.publish(desired)
+
+    async def begin(self) -> None:
+        """Start the first window (step 1, on the initial weights) once every replica runs; in
+        the background of the controller's start. Nothing when a client drives meanwhile."""
+        label = self._first_window()
+        if label is None:
+            return
+        last_log = time.monotonic()
+        while True:
+            desired = await self._fleet.desired()
+            if desired.driver is not None or desired.weight_version != 0 or desired.active is not None:
+                return  # begun already (a restarted controller), or a client drives
+            running = [r for r in await self._fleet.broadcast("status") if r.ok]
+            if len(running) >= self._args.num_replicas:
+                break
+            if time.monotonic() - last_log > 30:
+                last_log = time.monotonic()
+                log.info(
+                    "global_profiler: %s of %s replicas running; step 1 starts when all are",
+                    len(running),
+                    self._args.num_replicas,
+                )
+            await asyncio.sleep(BEGIN_POLL_S)
+        async with self._sync:
+            if await self.driving() and (await self._fleet.desired()).active is None:
+                await self._start(label)  # a failure is logged there
+
+    async def around_update(self, version: int, resume: bool, update: Update) -> UpdateWeightsResponse:
+        """Run a weight update publishing `version` (`resume`: what its caller asked), with the
+        schedule's stop before it and start after it when the app drives."""
+        if not await self.driving():
+            return await update(resume)
+        assert self._schedule is not None  # driving() says so
+        async with self._sync:
+            desired = await self._fleet.desired()
+            if version <= desired.weight_version:  # a repeat or a stale version: its own answer, no step moves
+                return await update(resume)
+            active = desired.active.steps if desired.active is not None else None
+            plan = self._schedule.on_publish(version, active)
+            actions = ScheduleActions()
+            if plan.stop_step is not None:
+                await self._profile.stop(StopProfileRequest(step=plan.stop_step, pause=True), driver="server")
+                actions.stopped_step = plan.stop_step
+            try:
+                response = await update(resume and plan.start_step is None)
+            except BaseException:
+                if actions.stopped_step is not None:  # not published: generation goes on, on the old version
+                    await self._release()
+                raise
+            if plan.start_step is not None:
+                actions.error = await self._start(plan.start_step)
+                actions.started_step = None if actions.error else plan.start_step
+            response.schedule = actions
+            return response
+
+    async def _start(self, label: int) -> str | None:
+        """Start the window labelled `label` (it ends the hold); None, or why it did not start,
+        after which the hold is ended anyway (generation must not wait for a window that will
+        not come). A full export backlog is waited out for up to control_timeout_s."""
+        assert self._schedule is not None
+        steps = list(self._schedule.window_steps(label))
+        req = StartProfileRequest(step=label, steps=steps if len(steps) > 1 else None)
+        deadline = time.monotonic() + self._args.control_timeout_s
+        while True:
+            try:
+                await self._profile.start(req, driver="server")
+                return None
+            except BacklogFull as e:
+                wait_s = e.retry_after_s or 1
+                if time.monotonic() + wait_s > deadline:
+                    why = f"step {label} did not start: {e}"
+                    break
+                await asyncio.sleep(wait_s)
+            except ControlError as e:
+                why = f"step {label} did not start: {e}"
+                break
+        log.warning("global_profiler: %s", why)
+        await self._release()
+        return why
+
+    async def _release(self) -> None:
+        """End the sync's hold on every replica and in the desired state."""
+        async with self._fleet.lock:
+            desired = await self._fleet.desired()
+            desired.paused = False
+            await self._fleet.publish(desired)
+            await self._fleet.broadcast("release_hold")
