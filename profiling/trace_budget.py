@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from profiling.analysis.events import HEAD_BYTES, TRACE_SUFFIXES, Event, TraceFormat, iter_events, open_binary, sniff
+from profiling.analysis.events import HEAD_BYTES, Event, TraceFormat, is_trace_name, iter_events, open_binary, sniff
 from profiling.config import ProfileOptions
 from profiling.markers import FORWARD_STEP
 
@@ -66,7 +66,7 @@ def json_bytes_over(paths: Iterable[Path], limit: int) -> bool:
     decompressed as needed. Reading stops once the limit is passed, so the cost is bounded by it."""
     total = 0
     for path in paths:
-        if not (path.is_file() and path.name.endswith(TRACE_SUFFIXES)):
+        if not (path.is_file() and is_trace_name(path.name)):
             continue
         with open_binary(path) as f:
             while chunk := f.read(1 << 20):

@@ -18,6 +18,16 @@ import ijson
 from isal import igzip
 
 TRACE_SUFFIXES = (".json", ".json.gz")
+CAPTURE_NOTE_SUFFIX = "nsys_capture.json"
+"""How the name of an nsys capture note ends (the nsys backend's, SGLang's adapter's): JSON
+beside the traces, but no trace: nsys writes its report elsewhere."""
+
+
+def is_trace_name(name: str) -> bool:
+    """Whether a file is read as a Chrome trace, by its name: `.json` or `.json.gz`, but not a
+    capture note."""
+    return name.endswith(TRACE_SUFFIXES) and not name.endswith(CAPTURE_NOTE_SUFFIX)
+
 HEAD_BYTES = 256 * 1024
 """How much of a file `sniff` reads: Kineto writes its header (and `baseTimeNanoseconds`)
 before `traceEvents`, well within this."""
@@ -56,8 +66,8 @@ def decompressed(path: Path, raw: IO[bytes]) -> IO[bytes]:
 
 def sniff(path: Path) -> TraceFormat:
     """The trace's format, or NotATrace naming why this file is not one."""
-    if not path.name.endswith(TRACE_SUFFIXES):
-        raise NotATrace("not a .json or .json.gz file")
+    if not is_trace_name(path.name):
+        raise NotATrace("not a .json or .json.gz file, or an nsys capture note")
     try:
         with open_binary(path) as f:
             head = f.read(HEAD_BYTES)

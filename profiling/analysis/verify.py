@@ -23,7 +23,7 @@ import ijson
 from pydantic import BaseModel
 
 from profiling.analysis.chunks import are_structs, iter_chunks
-from profiling.analysis.events import TRACE_SUFFIXES, NotATrace, sniff
+from profiling.analysis.events import NotATrace, is_trace_name, sniff
 from profiling.manifest import ManifestEntry, StepManifest, TraceDialect
 from profiling.markers import (
     FORWARD_STEP,
@@ -108,11 +108,6 @@ class _Findings:
         self.notes.append(Finding(step=self.step, entry=entry, check=check, message=message))
 
 
-def is_chrome_trace_name(name: str) -> bool:
-    """A file the verifier parses as a Chrome trace (by name: `.json` / `.json.gz`)."""
-    return name.endswith(TRACE_SUFFIXES)
-
-
 def trace_bytes(store: TraceStore, steps: list[int]) -> int:
     """On-disk bytes of the Chrome traces the steps' manifests list (for a progress bar); files
     or manifests that cannot be read count 0 (the verification reports them)."""
@@ -125,7 +120,7 @@ def trace_bytes(store: TraceStore, steps: list[int]) -> int:
         for e in m.entries if m else []:
             for rel in e.files:
                 path = store.step_dir(k) / rel
-                if is_chrome_trace_name(rel) and path.is_file():
+                if is_trace_name(rel) and path.is_file():
                     total += path.stat().st_size
     return total
 
@@ -218,9 +213,9 @@ def _check_entry(
         path = step_dir / rel
         if not path.exists():
             out.violation(key, "files", f"{rel} is listed in the manifest but missing: re-record the step")
-            complete = complete and not is_chrome_trace_name(rel)
+            complete = complete and not is_trace_name(rel)
             continue
-        if not is_chrome_trace_name(rel):
+        if not is_trace_name(rel):
             continue  # nsys reports, NPU directories: present is all that can be checked
         try:
             scans.append(_scan(path, entry.trace_dialect, on_progress))
@@ -232,7 +227,7 @@ def _check_entry(
                 f"{rel} does not parse as a Chrome trace ({e}): its export was cut off or the file "
                 "was damaged; re-record the step",
             )
-    has_chrome = any(is_chrome_trace_name(rel) for rel in entry.files)
+    has_chrome = any(is_trace_name(rel) for rel in entry.files)
     _check_versions(manifest, entry, discrete, scans, out)
     if discrete:
         _check_outside(manifest.step, entry, out)

@@ -26,10 +26,11 @@ from pathlib import Path
 
 import torch
 
+from profiling.analysis.events import CAPTURE_NOTE_SUFFIX
 from profiling.backends.base import ProfilerBackend, RecordedTrace
 from profiling.store import atomic_write_text
 
-NOTE_FILE = "nsys_capture.json"
+NOTE_FILE = CAPTURE_NOTE_SUFFIX
 NEEDS_CUDA = (
     "tool 'nsys' needs a CUDA device and must run under `nsys profile --capture-range=cudaProfilerApi`"
 )

@@ -79,6 +79,34 @@ def test_a_trace_without_garbage_is_left_as_it_was(exported, tmp_path):
     assert path.stat().st_mtime_ns == before.st_mtime_ns and path.stat().st_ino == before.st_ino
 
 
+KINETO_INSTANTS = (
+    b'  {\n    "name": "Iteration Start: PyTorch Profiler", "ph": "i", "s": "g",\n'
+    b'    "pid": "Traces", "tid": "Trace PyTorch Profiler", "ts": 5549736077208.981\n  },\n'
+    b'  {\n    "name": "Record Window End", "ph": "i", "s": "g",\n'
+    b'    "pid": "", "tid": "", "ts": 5549736267226.913\n  },\n'
+)
+"""Kineto's instant events, each with more fields on its name line, as a CUDA trace holds them
+(seen on an H200): valid JSON, not garbage."""
+
+
+def test_kineto_instant_events_with_fields_on_the_name_line_are_left_as_they_were(exported, tmp_path):
+    head = b'"traceEvents": [\n'
+    assert exported.count(head) == 1
+    data = exported.replace(head, head + KINETO_INSTANTS)
+    path = _write(tmp_path / "trace.json", data)
+    assert repair_names(path) == 0
+    assert path.read_bytes() == data
+
+    def instants(p: Path) -> list[str]:
+        return [e.ph for e in _events(p) if e.name in ("Iteration Start: PyTorch Profiler", "Record Window End")]
+
+    assert instants(path) == [*instants(_write(tmp_path / "good.json", exported)), "i", "i"]
+    # A garbage name is still one, with fields after it on its line.
+    spoiled_instants = KINETO_INSTANTS.replace(b'"Record Window End"', b'"Record "Window End"')
+    spoiled = _write(tmp_path / "spoiled.json", exported.replace(head, head + spoiled_instants))
+    assert repair_names(spoiled) == 1
+
+
 def test_the_repair_changes_nothing_else_whatever_the_block_size(exported, tmp_path, monkeypatch):
     """Blocks end at newlines: a line split over two blocks would be missed or doubled."""
     spoiled = exported.replace(GOOD, GARBAGE["an unescaped quote (seen in CI)"])

@@ -142,6 +142,12 @@ def test_session_cycle_writes_the_capture_note(cuda, store, exporter, spec):
 
     m = store.read_manifest(2)
     assert m is not None and m.status == "complete" and m.entries == [final]
+    # The note is JSON but no trace: the verifier reads it as present, not as a broken trace
+    # (it did, on a CUDA machine).
+    from profiling.analysis.verify import verify_steps
+
+    report = verify_steps(store, [2])
+    assert not [v for v in report.violations if v.check == "files"], report.violations
 
 
 def test_clear_error_without_cuda(monkeypatch, store, exporter, spec):
