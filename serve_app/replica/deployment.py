@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -96,7 +97,11 @@ class RolloutReplica(GenerationPlane, ControlPlane):
         version = desired.weight_version
         match desired.weights:
             case PathWeights(path=path) if version > 0:
-                await self.engine.update_weights(version, path, resume=True)
+                if await asyncio.to_thread(os.path.exists, path):
+                    await self.engine.update_weights(version, path, resume=True)
+                else:  # deleted after the load (AReaL deletes each checkpoint once loaded): a peer has it
+                    log.warning("the served weights' path is gone; copying version %s from a peer replica", version)
+                    await self._load_from_peer(version)
             case ObjectStoreWeights():
                 if refs := await self._controller.weights_refs():
                     report = await self.update_weights_in_cluster(version, refs, True)

@@ -155,3 +155,25 @@ def test_replica_restarted_mid_step_joins_it_late(failing, http, dead, model_dir
     assert entries[survivor["replica_id"]]["late_start"] is False
     assert entries[victim["replica_id"]]["status"] == "error"
     assert manifest["status"] == "partial"
+
+
+def test_a_replica_that_restarts_after_the_checkpoint_was_deleted_copies_it_from_a_peer(failing, http, dead, model_dir):
+    """A framework that deletes each checkpoint once it is loaded (AReaL does): a replica that
+    starts later loads the served version from a peer replica instead of failing on the path."""
+    fleet = wait_for_fleet(http, REPLICAS, dead)
+    version = status(http)["weight_version"] + 1
+    weights = write_perturbed_weights(model_dir, failing.weights_dir / f"v{version}.safetensors", seed=11)
+    ok(http.post("/weights/update", json={"version": version, "path": weights.name}))
+    weights.unlink()
+    greedy = {"prompt": "A deleted checkpoint", "max_tokens": 6, "temperature": 0}
+    reference = complete(http, **greedy)["choices"][0]["token_ids"]
+    victim = fleet[0]
+    kill_replica(victim, {r["pid"] for r in fleet})
+    dead.add(victim["replica_id"])
+    newcomer = next(
+        r for r in wait_for_fleet(http, REPLICAS, dead) if r["replica_id"] not in {f["replica_id"] for f in fleet}
+    )
+    assert newcomer["weight_version"] == version, newcomer
+    for _ in range(4):
+        again = complete(http, **greedy)["choices"][0]
+        assert again["token_ids"] == reference and again["weight_version"] == version
