@@ -1,15 +1,16 @@
-"""Generation through vLLM's token-in, token-out `/inference/v1/generate` against the app's own
-`/v1/completions` with the same token-id prompts and sampling, on one app, under the load RL
-rollouts bring (hundreds of single-prompt requests in flight), measured side by side.
+"""Generation through vLLM's token-in, token-out `/inference/v1/generate` and SGLang's native
+`/generate` against the app's own `/v1/completions` with the same token-id prompts and sampling,
+on one app, under the load RL rollouts bring (hundreds of single-prompt requests in flight),
+measured side by side.
 
 The app is the first application of `--config` (default config/serve.yaml: the embedded engine,
 2 replicas) on a private local Ray bound to 127.0.0.1. Each run is `--clients` closed-loop
 clients, each sending one request at a time of one distinct token-id prompt (tokenized once
 through `/tokenize`), `--max-tokens` tokens at temperature 1 with `ignore_eos`, for `--seconds`.
-Runs alternate between the routes (completions, generate, generate, completions, ...) after a
-warm-up of each, so the machine's drift does not favour either. It prints output tokens/s and
-requests/s per run, the medians, their ratio (generate / completions; goal at least 0.95), and
-each route's median request latency.
+Runs alternate between the routes, each run's order the previous one's rotated (completions,
+generate, SGLang; generate, SGLang, completions; ...) after a warm-up of each, so the machine's
+drift favours none. It prints output tokens/s and requests/s per run, the medians, each route's
+ratio to completions (goal at least 0.95), and each route's median request latency.
 
     python benchmarks/route_throughput.py [--runs 6] [--seconds 15] [--clients 256] [--max-tokens 16]
         [--config config/serve.yaml] [--quick]
@@ -33,7 +34,8 @@ from rich.table import Table
 from trainer.local_app import local_rollout_app
 
 console = Console()
-COMPLETIONS, GENERATE = "/v1/completions", "/inference/v1/generate"
+COMPLETIONS, GENERATE, SGLANG = "/v1/completions", "/inference/v1/generate", "/generate"
+ROUTES = (COMPLETIONS, GENERATE, SGLANG)
 
 
 class Run(BaseModel):
@@ -51,11 +53,19 @@ class Run(BaseModel):
 
 
 def body(route: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
-    """The same generation asked through either route."""
+    """The same generation asked through any of the routes."""
     sampling = {"max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True}
     if route == COMPLETIONS:
         return {"prompt": prompt, **sampling}
+    if route == SGLANG:
+        renamed = {"max_new_tokens" if k == "max_tokens" else k: v for k, v in sampling.items()}
+        return {"input_ids": prompt, "sampling_params": renamed}
     return {"token_ids": prompt, "sampling_params": sampling}
+
+
+def completion_tokens(route: str, answer: dict[str, Any]) -> int:
+    """The output tokens an answer counts (SGLang's in its `meta_info`)."""
+    return answer["meta_info"]["completion_tokens"] if route == SGLANG else answer["usage"]["completion_tokens"]
 
 
 async def load(url: str, route: str, prompts: list[list[int]], max_tokens: int, seconds: float) -> Run:
@@ -76,7 +86,7 @@ async def load(url: str, route: str, prompts: list[list[int]], max_tokens: int, 
                     continue
                 latencies.append(time.perf_counter() - t0)
                 requests += 1
-                tokens += r.json()["usage"]["completion_tokens"]
+                tokens += completion_tokens(route, r.json())
 
         t0 = time.perf_counter()
         await asyncio.gather(*(client(p) for p in prompts))
@@ -115,11 +125,10 @@ def main(
     results: list[Run] = []
     with local_rollout_app(config, overrides) as app:
         prompts = asyncio.run(tokenized(app.base_url, clients))
-        for route in (COMPLETIONS, GENERATE):  # warm-up
+        for route in ROUTES:  # warm-up
             asyncio.run(load(app.base_url, route, prompts, max_tokens, min(seconds, 5.0)))
         for i in range(runs):
-            order = (COMPLETIONS, GENERATE) if i % 2 == 0 else (GENERATE, COMPLETIONS)
-            for route in order:
+            for route in ROUTES[i % len(ROUTES) :] + ROUTES[: i % len(ROUTES)]:
                 run = asyncio.run(load(app.base_url, route, prompts, max_tokens, seconds))
                 console.print(
                     f"run {i + 1} {route}: {run.tokens_per_s:.0f} tokens/s, {run.requests / run.seconds:.1f} "
@@ -133,7 +142,7 @@ def main(
     table.add_column("median tokens/s", justify="right")
     table.add_column("median latency s", justify="right")
     medians: dict[str, float] = {}
-    for route in (COMPLETIONS, GENERATE):
+    for route in ROUTES:
         mine = [r for r in results if r.route == route]
         medians[route] = statistics.median(r.tokens_per_s for r in mine)
         latency = statistics.median(r.latency_s for r in mine)
@@ -141,8 +150,8 @@ def main(
     console.print(table)
     errors = sum(r.errors for r in results)
     console.print(
-        f"generate / completions: {medians[GENERATE] / medians[COMPLETIONS]:.3f} (goal at least 0.95); "
-        f"{errors} failed requests"
+        f"generate / completions: {medians[GENERATE] / medians[COMPLETIONS]:.3f}, SGLang's generate / completions: "
+        f"{medians[SGLANG] / medians[COMPLETIONS]:.3f} (goal at least 0.95 each); {errors} failed requests"
     )
 
 

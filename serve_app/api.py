@@ -8,7 +8,7 @@ both ends share one definition of every body.
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Any, Literal, Self
+from typing import Annotated, Any, Literal, Self
 
 from pydantic import BaseModel, Field, model_validator
 
@@ -117,10 +117,14 @@ class Outcome(StrEnum):
         return {"ok": self is Outcome.OK, "conflict": self is Outcome.CONFLICT, "refused": self is Outcome.REFUSED}
 
 
-ClientPauseMode = Literal["keep", "wait"]
-"""How a client's pause treats generation (vLLM's `/pause` modes the app serves;
-docs/design.md#client-pause): `keep` freezes requests in flight between engine steps and queues
-new ones; `wait` refuses new ones (503) and answers once those in flight finished."""
+ClientPauseMode = Literal["keep", "wait", "abort"]
+"""How a client's pause treats generation (vLLM's `/pause` modes; docs/design.md#client-pause):
+`keep` freezes requests in flight between engine steps and queues new ones; `wait` refuses new
+ones (503) and answers once those in flight finished; `abort` ends those in flight at once
+(finish_reason abort, with the tokens sampled so far) and refuses new ones (503)."""
+
+MAX_ABORT_IDS = 10_000
+"""Most request ids one `/abort_requests` names."""
 
 
 class ReplicaReport(BaseModel):
@@ -162,6 +166,9 @@ class ReplicaReport(BaseModel):
         None, description="Members this replica puts in a collective weight transfer's group (one per engine worker)."
     )
     transfer_s: float | None = Field(None, description="Seconds this replica took to receive a collective transfer.")
+    aborted: int | None = Field(
+        None, description="Generation requests (one per choice) this call ended early on this replica."
+    )
     error: str | None = None
 
     @model_validator(mode="after")
@@ -270,6 +277,27 @@ class IsPausedResponse(BaseModel):
     is_paused: bool
     mode: ClientPauseMode | None = None
     until: float | None = Field(None, description="Unix seconds when the pause ends on its own.")
+
+
+class AbortRequestsRequest(StrictModel):
+    """vLLM's `/abort_requests` body."""
+
+    request_ids: list[Annotated[str, Field(min_length=1, max_length=256)]] | None = Field(
+        None, max_length=MAX_ABORT_IDS
+    )
+    """The requests to end: a completion's `id`, or the request id vLLM's server gives one of its
+    prompts (docs/http_api.md#request-ids). Null or empty: every request in flight."""
+
+
+class AbortRequestsResponse(BaseModel):
+    """vLLM's `/abort_requests` answer, with each replica's report."""
+
+    status: Literal["aborted"] = "aborted"
+    aborted: int = Field(
+        description="Generation requests ended early, one per choice (vLLM counts the ids it was given, "
+        "or every request it tracked)."
+    )
+    replicas: list[ReplicaReport]
 
 
 class ResetPrefixCacheResponse(BaseModel):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from serve_app.engines.generation import GenerateDelta, SamplingSpec, SpanBuilder, TokenLogprobs
 from serve_app.openai_api import (
@@ -53,6 +53,9 @@ class PromptJob(BaseModel):
     prompt_index: int
     prompt: str | list[int] | None = None
     """A completions prompt (text or token ids); None for chat (the request's messages)."""
+    names: list[str] = Field(default_factory=list)
+    """The ids `/abort_requests` finds this prompt's choices by: the answer's `id`, and the request
+    id vLLM's server gives the prompt (docs/http_api.md#request-ids)."""
 
 
 class JobAccepted(BaseModel):
@@ -246,7 +249,7 @@ class ChoiceBuilder:
         return delta.weight_version if delta.weight_version is not None else self._fallback
 
     def _wire_finish(self) -> FinishReason:
-        return "stop" if self.finish_reason == "stop" else "length"
+        return "stop" if self.finish_reason == "stop" else "abort" if self.finish_reason == "abort" else "length"
 
     # -- logprobs --------------------------------------------------------------------------
     def _completion_logprobs(

@@ -25,6 +25,7 @@ from ray.serve.schema import ApplicationStatus
 from profiling.manifest import StepManifest
 from profiling.store import StorageError, TraceStore
 from serve_app.api import (
+    AbortRequestsResponse,
     ClientPauseMode,
     ClockResponse,
     EngineRpcReport,
@@ -159,6 +160,15 @@ class RolloutController:
 
     async def is_paused(self) -> IsPausedResponse:
         return await self.pauses.is_paused()
+
+    async def abort_requests(self, request_ids: list[str] | None) -> AbortRequestsResponse:
+        """End generation requests in flight on every replica, each answering finish_reason abort
+        with the tokens sampled so far (vLLM's `/abort_requests`; SGLang's `abort_all_requests`):
+        those `request_ids` names (a completion's `id`, or vLLM's request id of one of its
+        prompts: docs/http_api.md#request-ids), or every one (None or empty). Nothing is paused:
+        new requests are served. Refused (422) when the engine cannot abort, Unavailable (503)
+        naming each replica that did not carry it out."""
+        return await self._calls.run("abort_requests", lambda: self.pauses.abort(request_ids))
 
     async def reset_prefix_cache(self, reset_running_requests: bool, reset_external: bool) -> ResetPrefixCacheResponse:
         """Empty every replica's engine prefix cache (a client's call; every weight switch does it

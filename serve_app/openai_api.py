@@ -29,7 +29,9 @@ CACHE_SALT_FORBIDDEN = frozenset("@/\\\x00")
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "abort"]
+"""`abort`: the request was ended early (`/pause?mode=abort`, `/abort_requests`), with the tokens
+sampled so far (vLLM's)."""
 
 
 class StreamOptions(StrictModel):
@@ -90,6 +92,10 @@ class SamplingFields(StrictModel):
     """Server-sent events: `data: {chunk}` lines, then `data: [DONE]`."""
     stream_options: StreamOptions | None = None
     """With stream: `include_usage` adds a last chunk carrying `usage`."""
+    request_id: str | None = Field(None, min_length=1, max_length=256)
+    """The request's id, as vLLM's: the answer's `id` is `cmpl-<request_id>` (chat:
+    `chatcmpl-<request_id>`), by which `/abort_requests` ends it (docs/http_api.md#request-ids);
+    null: a random one."""
     user: str | None = Field(None, max_length=256)
     """The end user, as the caller names it: accepted (OpenAI clients send it), changes nothing."""
     return_token_ids: bool | None = None

@@ -35,6 +35,7 @@ _FASTAPI_VALIDATION = "HTTPValidationError"
 _GENERIC_DESCRIPTIONS = {"Successful Response", "Validation Error", "Additional Response"}
 _STATUS_TEXT = {
     200: "OK",
+    400: "Bad Request",
     401: "Unauthorized",
     404: "Not Found",
     409: "Conflict",
@@ -105,7 +106,8 @@ def render_reference(spec: dict[str, Any]) -> str:
     out: list[str] = []
     inline: set[str] = set()
     for path, ops in spec["paths"].items():
-        for method, op in ops.items():
+        # A route taking several methods lists them from a set: sorted, the page is the same every run.
+        for method, op in sorted(ops.items()):
             params = op.get("parameters", [])
             guarded = any(p["in"] == "header" and p["name"].lower() == "authorization" for p in params)
             out += [f"### `{method.upper()} {path}`", "", op.get("description") or op.get("summary", ""), ""]

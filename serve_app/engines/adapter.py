@@ -4,7 +4,7 @@
 An adapter subclasses `EngineAdapter` (generation, which every engine has) and implements the
 protocol of each other capability its options class declares (`EngineOptions.capabilities`,
 docs/engines.md#capabilities): `Profiles`, `Pauses`, `LoadsPath`, `ReceivesCollective`,
-`AdoptsExternal`, `CallsEngine`. The controller checks at construction that the two agree
+`AdoptsExternal`, `CallsEngine`, `Aborts`. The controller checks at construction that the two agree
 (`capability_gaps`), and refuses a call that needs a capability the engine lacks before any
 adapter method runs. The adapter reaches the controller only through `EngineHost`.
 """
@@ -66,6 +66,10 @@ class EngineHost(Protocol):
 
     async def on_thread(self, fn: Callable[[], T]) -> T:
         """Run `fn` on the control thread."""
+
+    def abort_asked(self, request_id: str) -> bool:
+        """Whether the app asked to end sequence `request_id` early (`Aborts.abort`): an engine
+        that ends a sequence it was not asked to end failed it."""
 
 
 class EngineAdapter(ABC):
@@ -212,6 +216,17 @@ class CallsEngine(Protocol):
         trainer that moves weights itself through the app's handle."""
 
 
+@runtime_checkable
+class Aborts(Protocol):
+    """`Capability.ABORT` (docs/design.md#client-pause)."""
+
+    async def abort(self, request_ids: list[str] | None) -> None:
+        """End the sequences `request_ids` names (their `GenerateRequest.request_id`; None: every
+        sequence in the engine) between engine steps, paused or not: each stream's last delta has
+        finish_reason 'abort' and the tokens not streamed yet, with their weight versions. An id
+        the engine no longer runs is no error."""
+
+
 CAPABILITY_PROTOCOLS: dict[Capability, type] = {
     Capability.PROFILE: Profiles,
     Capability.PAUSE: Pauses,
@@ -219,6 +234,7 @@ CAPABILITY_PROTOCOLS: dict[Capability, type] = {
     Capability.RECEIVE_COLLECTIVE: ReceivesCollective,
     Capability.ADOPT_EXTERNAL: AdoptsExternal,
     Capability.ENGINE_RPC: CallsEngine,
+    Capability.ABORT: Aborts,
 }
 """The protocol an adapter implements for each capability beyond generation."""
 

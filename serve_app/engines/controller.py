@@ -14,7 +14,12 @@ The public methods own the state and its guards (docs/design.md#exact-attributio
   profiler finalizes on the control thread and the export runs in the background;
 * a weight update (serve_app/engines/weight_control.py) reads its file before taking the lock
   (overlapping a finalize), then loads it between engine steps, and serves the old version if the
-  load fails.
+  load fails;
+* an abort (docs/design.md#client-pause): the sequences in flight are tracked here, each by the
+  ids a client names it by; the ones an abort names are marked before the engine is asked (its
+  adapter reads the mark: `abort_asked`), asked again while an engine that takes a request over
+  awaits had not seen it yet, and counted; during a client's abort pause, a sequence that reaches
+  the engine ends at once as the others did.
 """
 
 from __future__ import annotations
@@ -22,9 +27,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
@@ -34,7 +41,7 @@ from profiling.backends.base import ProfilerBackend
 from profiling.manifest import ManifestEntry
 from profiling.session import BackendFactory, ProfileSession, SessionSpec, SessionState, StopOutcome
 from serve_app.config import AppArgs
-from serve_app.engines.adapter import EngineAdapter, Pauses, Profiles, capability_gaps
+from serve_app.engines.adapter import Aborts, EngineAdapter, Pauses, Profiles, capability_gaps
 from serve_app.engines.admission_hold import AdmissionHold
 from serve_app.engines.control_thread import ControlThread
 from serve_app.engines.generation import GenerateDelta, GenerateRequest
@@ -45,6 +52,7 @@ from serve_app.engines.tokenizer import HfTokenizer
 from serve_app.engines.weight_control import WeightControl
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 SessionFactory = Callable[[BackendFactory], ProfileSession]
 """Makes the replica's profiling session around the engine's profiler."""
@@ -54,6 +62,22 @@ SessionFactory = Callable[[BackendFactory], ProfileSession]
 # finalize holds the GIL for its whole duration.
 _ACK_WAIT_S = 0.5
 _ACK_GRACE_S = 0.02
+
+ABORT_RETRY_S = 0.5
+ABORT_RETRIES = 10
+"""An engine that takes a request over awaits (vLLM's `add_request`) does not know it yet when an
+abort comes in between, and ends nothing: every ABORT_RETRY_S the abort is asked again for the
+sequences it named that still run, at most ABORT_RETRIES times."""
+
+
+@dataclass(eq=False)
+class _Flight:
+    """One sequence in the engine, as an abort finds it."""
+
+    request: GenerateRequest
+    aborted: bool = False
+    """An abort named it: the engine's abort of it was asked for."""
+    ended: bool = False
 
 
 class EngineStatus(BaseModel):
@@ -112,6 +136,15 @@ class EngineController(WeightControl):
         )
         # Requests and generating/held/idle time per profiling window, for the step's entry.
         self._requests = RequestAccounting()
+        self._flights: dict[str, _Flight] = {}
+        """The sequences in the engine, by `GenerateRequest.request_id`."""
+        self._aborting_all = 0
+        """Aborts of every sequence under way: a sequence that arrives meanwhile ends at once (the
+        engine's own abort of everything may reach it, unasked)."""
+        self._end_arrivals_until: float | None = None
+        """A client's abort pause (monotonic end): a sequence that reaches the engine until then
+        ends at once; the replica's gate refuses new calls, so it was admitted before the pause."""
+        self._chasers: set[asyncio.Task[None]] = set()
 
     # -- what the adapter is lent (EngineHost) --------------------------------------------------
     @property
@@ -127,6 +160,11 @@ class EngineController(WeightControl):
         self.loop = asyncio.get_running_loop()
         return await asyncio.wrap_future(self._thread.submit(fn))
 
+    def abort_asked(self, request_id: str) -> bool:
+        """Whether an abort named sequence `request_id` (an engine's abort of any other is its failure)."""
+        flight = self._flights.get(request_id)
+        return flight is not None and flight.aborted
+
     async def opened(self) -> None:
         """Await once after construction, on the replica's event loop, before serving."""
         self.loop = asyncio.get_running_loop()
@@ -135,13 +173,19 @@ class EngineController(WeightControl):
     # -- generation --------------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
         """The sequence's deltas (the adapter's `stream`), counted in the profiling window's
-        request stats."""
+        request stats; one delta with finish_reason 'abort' when it arrives while every sequence
+        is being aborted (`abort(None)`, a client's abort pause)."""
         self.tokenizer.check_prompt(request.prompt_token_ids)
+        flight = self._flights[request.request_id] = _Flight(request)
         entered = self._requests.entered()
         tokens = 0
         versions: set[int] = set()
         finished = False
         try:
+            if self._aborting_all or self.client_aborting:
+                flight.aborted = finished = True
+                yield GenerateDelta(finish_reason="abort")
+                return
             # aclosing: a consumer that stops early closes the engine's stream now (an abort),
             # not whenever the generator is collected.
             async with contextlib.aclosing(self.adapter.stream(request)) as stream:
@@ -154,7 +198,50 @@ class EngineController(WeightControl):
                     finished = finished or delta.finish_reason is not None
                     yield delta
         finally:
+            flight.ended = True
+            if self._flights.get(request.request_id) is flight:
+                del self._flights[request.request_id]
             self._requests.finished(entered, len(request.prompt_token_ids), tokens if finished else None, versions)
+
+    async def abort(self, request_ids: list[str] | None) -> int:
+        """End the sequences in flight that `request_ids` names (by any of their
+        `GenerateRequest.names`; None: every one) between engine steps, paused or not: each
+        answers finish_reason 'abort' with the tokens sampled so far. How many it ended (one per
+        choice). CapabilityMissing: the engine cannot abort."""
+        aborts = self._capability(Capability.ABORT, Aborts)
+        wanted = None if request_ids is None else set(request_ids)
+        flights = [
+            f
+            for f in self._flights.values()
+            if not f.aborted and (wanted is None or not wanted.isdisjoint(f.request.names))
+        ]
+        for f in flights:
+            f.aborted = True
+        if wanted is None:
+            # Everything the engine runs, in one call; what arrives meanwhile ends at `generate`.
+            self._aborting_all += 1
+            try:
+                await aborts.abort(None)
+            finally:
+                self._aborting_all -= 1
+        elif flights:
+            await aborts.abort([f.request.request_id for f in flights])
+        if flights:
+            chaser = asyncio.ensure_future(self._chase(aborts, flights))
+            self._chasers.add(chaser)
+            chaser.add_done_callback(self._chasers.discard)
+        return len(flights)
+
+    async def _chase(self, aborts: Aborts, flights: list[_Flight]) -> None:
+        """Ask the engine again to end `flights` while some still run (ABORT_RETRIES)."""
+        for _ in range(ABORT_RETRIES):
+            await asyncio.sleep(ABORT_RETRY_S)
+            if not (running := [f.request.request_id for f in flights if not f.ended]):
+                return
+            try:
+                await aborts.abort(running)
+            except Exception:  # the first abort was answered; this one only helps
+                log.exception("asking the engine again to abort %d sequences failed", len(running))
 
     # -- profiling -----------------------------------------------------------------------------
     async def start_profile(self, spec: SessionSpec) -> bool:
@@ -243,14 +330,33 @@ class EngineController(WeightControl):
         """Whether a client's pause (mode keep) holds the engine."""
         return self._admission.client_held
 
+    @property
+    def client_aborting(self) -> bool:
+        """Whether a client's abort pause ends every sequence that reaches the engine."""
+        return self._end_arrivals_until is not None and time.monotonic() < self._end_arrivals_until
+
     async def client_hold(self, for_s: float) -> None:
         """A client's pause, mode keep: no engine step until `client_release`, or for `for_s`
         seconds at most; requests in flight and new ones wait (docs/design.md#client-pause)."""
+        self._end_arrivals_until = None
         async with self._control:
             await self._admission.client_hold(for_s)
 
+    async def client_abort(self, for_s: float) -> int:
+        """A client's pause, mode abort: every sequence in flight ends now (`abort(None)`), and so
+        does one that reaches the engine until `client_hold` or `client_release`, or for `for_s`
+        seconds at most (the replica's gate refuses new calls meanwhile); a keep pause before it
+        ends after its requests were aborted. How many sequences it ended."""
+        self._options.require(Capability.ABORT)
+        self._end_arrivals_until = time.monotonic() + max(0.0, for_s)
+        ended = await self.abort(None)
+        async with self._control:
+            await self._admission.client_release()
+        return ended
+
     async def client_release(self) -> None:
         """End a client's pause: the engine runs again unless the sync's hold holds it."""
+        self._end_arrivals_until = None
         async with self._control:
             await self._admission.client_release()
 
@@ -279,6 +385,8 @@ class EngineController(WeightControl):
 
     async def shutdown(self) -> None:
         self._admission.cancel()
+        for chaser in self._chasers:
+            chaser.cancel()
         await asyncio.to_thread(self._thread.shutdown)
         await self.adapter.close()
 

@@ -8,6 +8,8 @@ requests to the engine, each with its own seed.
 
 from __future__ import annotations
 
+import uuid
+
 from pydantic import BaseModel, Field
 
 
@@ -61,6 +63,12 @@ class GenerateRequest(BaseModel):
     cache_salt: str | None = None
     """Only requests with the same salt share prefix-cache blocks (an engine without a prefix
     cache shared between requests ignores it)."""
+    request_id: str = Field(default_factory=lambda: uuid.uuid4().hex)
+    """This sequence's id in the engine (vLLM's request id, SGLang's rid), unique among the
+    sequences in flight: what `Aborts.abort` names it by."""
+    names: list[str] = Field(default_factory=list)
+    """The ids a client's `/abort_requests` finds this sequence by: its answer's `id`, and the
+    request id vLLM's server would give its prompt (docs/http_api.md#request-ids)."""
 
 
 class TokenLogprobs(BaseModel):
@@ -89,7 +97,8 @@ class GenerateDelta(BaseModel):
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     """On the first delta, with `prompt_logprobs` asked: one per prompt token (None for the first)."""
     finish_reason: str | None = None
-    """On the last delta: 'stop' (EOS, stop token or stop string) or 'length'."""
+    """On the last delta: 'stop' (EOS, stop token or stop string), 'length', or 'abort' (the app
+    asked to end it early: `Aborts.abort`)."""
     stop_reason: str | int | None = None
     """With finish_reason 'stop': the stop string or stop token id that matched (None: EOS)."""
 

@@ -32,6 +32,9 @@ class Capability(StrEnum):
     """Report the weight version the trainer moved in itself: `source: external`."""
     ENGINE_RPC = "engine_rpc"
     """Call the engine's own API: the app handle's `engine_rpc`."""
+    ABORT = "abort"
+    """End requests in flight early, each answering finish_reason abort with the tokens sampled so
+    far: `/pause?mode=abort`, `/abort_requests`."""
 
 
 CAPABILITY_USE: dict[Capability, str] = {
@@ -42,6 +45,7 @@ CAPABILITY_USE: dict[Capability, str] = {
     Capability.RECEIVE_COLLECTIVE: "weight_transfer: collective",
     Capability.ADOPT_EXTERNAL: "adopting weights the trainer moved itself (source: external)",
     Capability.ENGINE_RPC: "engine RPC (the app handle's engine_rpc)",
+    Capability.ABORT: "ending requests in flight early (/pause?mode=abort, /abort_requests)",
 }
 """What each capability lets a caller do, in the words of a refusal."""
 

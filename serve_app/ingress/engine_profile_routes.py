@@ -16,9 +16,9 @@ from serve_app.api import ErrorResponse, StopProfileRequest
 from serve_app.desired_state import DesiredState
 from serve_app.engine_profile_api import START_TEXT, STOP_TEXT, EngineStartProfile
 from serve_app.ingress.auth import require_control_token
+from serve_app.ingress.get_or_post import get_or_post
 
-_route = {
-    "methods": ["GET", "POST"],  # SGLang takes both; vLLM POST
+_route = {  # GET and POST: SGLang takes both, vLLM POST
     "dependencies": [Depends(require_control_token)],
     "response_class": PlainTextResponse,
     "tags": ["vllm", "sglang"],
@@ -29,7 +29,8 @@ class EngineProfileRoutesMixin:
     controller: DeploymentHandle
 
     ENDPOINTS: ClassVar[dict[str, Callable[[Any], Any]]] = {
-        "engine_start_profile": lambda app: app.api_route(
+        "engine_start_profile": lambda app: get_or_post(
+            app,
             "/start_profile",
             responses={
                 409: {"model": ErrorResponse, "description": "Another step is being profiled."},
@@ -37,8 +38,8 @@ class EngineProfileRoutesMixin:
             },
             **_route,
         ),
-        "engine_stop_profile": lambda app: app.api_route(
-            "/stop_profile", responses={409: {"model": ErrorResponse}}, **_route
+        "engine_stop_profile": lambda app: get_or_post(
+            app, "/stop_profile", responses={409: {"model": ErrorResponse}}, **_route
         ),
     }
 

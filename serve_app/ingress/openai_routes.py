@@ -99,14 +99,18 @@ class OpenAIRoutesMixin:
         """OpenAI completions; each choice adds its token ids and weight-version spans."""
         prompts = body.prompts()
         self._check(body, len(prompts), {f"prompt {i}": len(p) for i, p in enumerate(prompts) if isinstance(p, str)})
-        jobs = [PromptJob(request=body, prompt_index=i, prompt=p) for i, p in enumerate(prompts)]
+        rid = f"cmpl-{body.request_id or uuid.uuid4().hex}"
+        # vLLM's server gives prompt i of completion `rid` the request id `rid-i`.
+        jobs = [
+            PromptJob(request=body, prompt_index=i, prompt=p, names=[rid, f"{rid}-{i}"]) for i, p in enumerate(prompts)
+        ]
         if body.stream:
-            return await self._stream(body, jobs, CompletionChunk, "cmpl")
+            return await self._stream(body, jobs, CompletionChunk, rid)
         results = await self._run(jobs)
         return _json(
             body,
             CompletionResponse(
-                id=f"cmpl-{uuid.uuid4().hex}",
+                id=rid,
                 created=int(time.time()),
                 model=self.model_name,
                 choices=[c for r in results for c in r.choices],
@@ -119,14 +123,15 @@ class OpenAIRoutesMixin:
         """OpenAI chat completions over the model's chat template; each choice adds the token ids
         of prompt and answer and the answer's weight-version spans."""
         self._check(body, 1, {"messages": sum(len(m.text()) for m in body.messages)})
-        jobs = [PromptJob(request=body, prompt_index=0)]
+        rid = f"chatcmpl-{body.request_id or uuid.uuid4().hex}"
+        jobs = [PromptJob(request=body, prompt_index=0, names=[rid])]  # vLLM's id of its one prompt too
         if body.stream:
-            return await self._stream(body, jobs, ChatCompletionChunk, "chatcmpl")
+            return await self._stream(body, jobs, ChatCompletionChunk, rid)
         results = await self._run(jobs)
         return _json(
             body,
             ChatCompletionResponse(
-                id=f"chatcmpl-{uuid.uuid4().hex}",
+                id=rid,
                 created=int(time.time()),
                 model=self.model_name,
                 choices=results[0].choices,
@@ -146,7 +151,10 @@ class OpenAIRoutesMixin:
         except ValidationError as e:
             raise Refused(f"sampling_params: {describe_validation_error(e, 'sampling_params')}") from None
         self._check(request, 1, {})
-        results = await self._run([PromptJob(request=request, prompt_index=0, prompt=body.token_ids)])
+        body = body.model_copy(update={"request_id": body.request_id or uuid.uuid4().hex})
+        # The answer's request_id, and the id vLLM's server gives the request.
+        names = [body.request_id, f"generate-tokens-{body.request_id}"]
+        results = await self._run([PromptJob(request=request, prompt_index=0, prompt=body.token_ids, names=names)])
         choices = [c for c in results[0].choices if isinstance(c, CompletionChoice)]  # a completion's, all
         answer = generate_response(body, choices, _usage(results), self.model_name, int(time.time()))
         return Response(answer.model_dump_json(), media_type="application/json")
@@ -187,7 +195,7 @@ class OpenAIRoutesMixin:
         body: OpenAIRequest,
         jobs: list[PromptJob],
         chunk: type[CompletionChunk | ChatCompletionChunk],
-        prefix: str,
+        rid: str,
     ) -> StreamingResponse:
         """Start every job and wait for each to be accepted (so a prompt that does not fit, or a
         full queue, is still a 4xx/503), then stream their pieces as server-sent events."""
@@ -201,7 +209,7 @@ class OpenAIRoutesMixin:
                 s.cancel()
             raise
         prompt_tokens = sum(a.prompt_tokens for a in accepted if isinstance(a, JobAccepted))
-        head = {"id": f"{prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.model_name}
+        head = {"id": rid, "created": int(time.time()), "model": self.model_name}
         include_usage = body.stream_options is not None and body.stream_options.include_usage
 
         async def events() -> AsyncIterator[bytes]:

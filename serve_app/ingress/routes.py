@@ -11,6 +11,7 @@ from serve_app.ingress.engine_profile_routes import EngineProfileRoutesMixin
 from serve_app.ingress.openai_routes import OpenAIRoutesMixin
 from serve_app.ingress.ops_routes import OpsRoutesMixin
 from serve_app.ingress.profile_routes import ProfileRoutesMixin
+from serve_app.ingress.sglang_routes import SglangRoutesMixin
 from serve_app.ingress.vllm_routes import VllmRoutesMixin
 from serve_app.ingress.weight_routes import WeightRoutesMixin
 
@@ -19,6 +20,7 @@ class AppRoutes(
     ProfileRoutesMixin,
     EngineProfileRoutesMixin,
     WeightRoutesMixin,
+    SglangRoutesMixin,  # before the two it builds on
     OpenAIRoutesMixin,
     VllmRoutesMixin,
     OpsRoutesMixin,
@@ -31,6 +33,7 @@ class AppRoutes(
         **WeightRoutesMixin.ENDPOINTS,
         **OpenAIRoutesMixin.ENDPOINTS,
         **VllmRoutesMixin.ENDPOINTS,
+        **SglangRoutesMixin.ENDPOINTS,
         **OpsRoutesMixin.ENDPOINTS,
     }
     """Each handler's name and how it is routed (every mixin's ENDPOINTS)."""

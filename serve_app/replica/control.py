@@ -38,10 +38,15 @@ OWN_ERRORS: tuple[tuple[type[Exception], Outcome], ...] = (
 """Errors whose text is written for the user, with the outcome each one means."""
 
 
-WAIT_PAUSED = (
-    "generation is paused (POST /pause with mode=wait): new requests are refused until POST /resume, "
-    "or until client_pause_max_s passes"
-)
+def _paused(mode: str) -> str:
+    return (
+        f"generation is paused (POST /pause with mode={mode}): new requests are refused until POST /resume, "
+        "or until client_pause_max_s passes"
+    )
+
+
+WAIT_PAUSED = _paused("wait")
+ABORT_PAUSED = _paused("abort")
 
 
 class ControlPlane:
@@ -227,25 +232,39 @@ class ControlPlane:
     @property
     def client_pause_mode(self) -> ClientPauseMode | None:
         """The client's pause in effect here (None: none)."""
+        if self.engine.client_aborting:
+            return "abort"
         return "keep" if self.engine.client_held else "wait" if self._gate.closed is not None else None
 
     async def client_pause(self, mode: ClientPauseMode, for_s: float, drain: bool = True) -> ReplicaReport:
         """A client's pause here, for `for_s` seconds at most (docs/design.md#client-pause):
         `keep` holds the engine (requests in flight freeze between engine steps, new ones queue);
         `wait` refuses new generation calls with 503 and, with `drain`, answers once those
-        admitted finished (a health check's convergence does not wait for them)."""
+        admitted finished (a health check's convergence does not wait for them); `abort` refuses
+        new ones with 503 and ends those in flight at once (the report's `aborted`)."""
 
-        async def pause() -> None:
+        async def pause() -> dict[str, Any]:
             if mode == "keep":
                 self._gate.open()
                 await self.engine.client_hold(for_s)
-                return
+                return {}
+            if mode == "abort":
+                # Closed first: what the gate admitted until now is in flight, and is ended.
+                self._gate.close(ABORT_PAUSED, for_s)
+                return {"aborted": await self.engine.client_abort(for_s)}
             await self.engine.client_release()
             self._gate.close(WAIT_PAUSED, for_s)
             if drain:
                 await self._gate.drained()
+            return {}
 
-        return await self._control("pause failed", pause())
+        return await self._control("pause failed", pause(), lambda fields: fields)
+
+    async def abort_requests(self, request_ids: list[str] | None) -> ReplicaReport:
+        """End the generation requests in flight here that `request_ids` names (None: every
+        one), each answering finish_reason abort with the tokens sampled so far; the report's
+        `aborted` counts them (one per choice)."""
+        return await self._control("abort failed", self.engine.abort(request_ids), lambda n: {"aborted": n})
 
     async def client_resume(self) -> ReplicaReport:
         """End a client's pause here: the engine runs and the gate admits again (the sync's

@@ -123,6 +123,7 @@ class GenerationPlane:
                     sampling=sampling_for(request, job.prompt_index, i, max_tokens),
                     stream=stream,
                     cache_salt=request.cache_salt,
+                    names=job.names,
                 )
             )
         return builders, requests

@@ -23,6 +23,12 @@ refused flush failing the call after the weights changed):
   `in_place` one) and, unpaused, while one waits;
 * pause modes: `abort` ends every request, `retract` sets running requests aside (they keep
   their tokens and continue after /continue_generation), `in_place` freezes them where they are;
+* `/abort_request` (scheduler.py's `abort_request`): a request off the running batch (waiting, or
+  set aside by a retract pause) ends at once, echoed with {"type": "abort", "message": "Abort in
+  waiting queue"} and its tokens so far (the tokenizer manager's `_handle_abort_req`); a running
+  one is marked `to_finish` and ends after one more forward, keeping its token, with
+  FINISH_ABORT's {"type": "abort", "message": "Aborted", "status_code": null, "err_type": null};
+  rids match by prefix, as SGLang's do;
 * sampling (`sglang/srt/sampling/sampling_params.py`, `penaltylib/`, `schedule_batch.py`'s
   `update_finish_state`): penalties, min_new_tokens masking EOS and stop tokens, temperature,
   top-k/top-p/min-p, a per-request generator for `sampling_seed`; finishing on a stop string
@@ -75,6 +81,10 @@ FLUSH_REFUSED_AFTER_UPDATE = (
     "Retract or finish them, then call /flush_cache."
 )
 """SGLang's message (`flush_cache_after_weight_update`) when a weight update's flush is refused."""
+
+ABORT_ECHO = "fake_abort_echo"
+"""Fake-only key of an output that is SGLang's abort echo (`_handle_abort_req`): the HTTP side
+drops it before sending, and shapes that chunk as SGLang does."""
 
 _SAMPLING_EPS = 1e-6
 TOP_K_ALL = 1 << 30
@@ -187,6 +197,8 @@ class Req:
     version_events: list[tuple[str, int]] = field(default_factory=list)
     """(old version, output tokens then) at each weight-version change while in flight."""
     retractions: int = 0
+    to_finish: dict | None = None
+    """SGLang's `to_finish`: the finish reason of its next forward (an abort of a running request)."""
     prefilled: bool = False
     """Its sequence so far has been through a forward (a retraction clears it: SGLang drops the
     KV cache and prefills the request again)."""
@@ -394,6 +406,21 @@ class Scheduler:
         self._waiting.clear()
         self._retracted.clear()
 
+    def abort_request(self, rid: str, abort_all: bool) -> None:
+        """SGLang's scheduler `abort_request`: requests whose rid starts with `rid` (every one with
+        `abort_all`) end; see the module docstring for how."""
+
+        def named(req: Req) -> bool:
+            return abort_all or req.rid.startswith(rid)
+
+        for req in [r for r in [*self._waiting, *self._retracted] if named(r)]:
+            self._finish(req, {"type": "abort", "message": "Abort in waiting queue"}, echo=True)
+        self._waiting = deque(r for r in self._waiting if not named(r))
+        self._retracted = [r for r in self._retracted if not named(r)]
+        for req in self._running:
+            if named(req):
+                req.to_finish = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+
     def abort(self, rid: str) -> None:
         """Drop one request whose client went away (SGLang's abort on disconnect)."""
         self._running = [r for r in self._running if r.rid != rid]
@@ -593,7 +620,7 @@ class Scheduler:
             req.logprobs.append(float(logprobs[token]))
             if req.top_logprobs_num > 0:
                 req.top_logprobs.append(_topk(logprobs, req.top_logprobs_num))
-        reason = self._finish_reason(req, token)
+        reason = req.to_finish or self._finish_reason(req, token)
         if reason is not None:
             self._running.remove(req)
             self._finish(req, reason)
@@ -691,8 +718,13 @@ class Scheduler:
         text = self.tokenizer.decode(req.output_ids, skip_special_tokens=req.params.skip_special_tokens)
         return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}
 
-    def _finish(self, req: Req, finish_reason: dict) -> None:
-        req.emit(self._output(req, finish_reason))
+    def _finish(self, req: Req, finish_reason: dict, echo: bool = False) -> None:
+        """Send the request's last output; `echo`: the tokenizer manager's abort echo for a request
+        off the running batch, whose incremental stream chunk repeats the last token."""
+        out = self._output(req, finish_reason)
+        if echo:
+            out[ABORT_ECHO] = True
+        req.emit(out)
 
     def new_request(
         self,

@@ -33,6 +33,9 @@ them):
 * `GET|POST /flush_cache`: "Cache flushed." (200), or 400 "Flush cache failed." when SGLang's
   scheduler refuses (requests in the running batch; unpaused, also waiting ones);
 * `POST /pause_generation {"mode": "abort"|"retract"|"in_place"}`, `POST /continue_generation`;
+* `POST /abort_request {"rid": ..., "abort_all": false}`: 200 with no body; the request (a rid
+  prefix, as SGLang matches it), or every one, ends with finish_reason abort and its tokens so far
+  (how: tests/fakes/fake_sglang_scheduler.py); an empty rid without `abort_all` does nothing;
 * SGLang's own distributed weight update, each answering `{success, message}` (HTTP 400 when not
   successful): `POST /init_weights_update_group` (joins the trainer's group as rank
   `rank_offset` + 0, blocking until every member has: tests/fakes/fake_sglang_weight_group.py),
@@ -76,7 +79,7 @@ from pydantic import BaseModel, ConfigDict
 if __package__ in (None, ""):  # run as a script: make the `fakes` package importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fakes.fake_sglang_scheduler import ProfileReq, SamplingParams, Scheduler
+from fakes.fake_sglang_scheduler import ABORT_ECHO, ProfileReq, SamplingParams, Scheduler
 
 log = logging.getLogger("fake_sglang")
 
@@ -182,6 +185,11 @@ class PauseGenerationReqInput(_Lenient):
     mode: Literal["abort", "retract", "in_place"] = "abort"
 
 
+class AbortReq(_Lenient):
+    rid: str | None = None
+    abort_all: bool = False
+
+
 class ContinueGenerationReqInput(_Lenient):
     torch_empty_cache: bool = True
 
@@ -246,6 +254,7 @@ class FakeSglangServer:
 
         def emit(out: dict) -> None:
             if out["meta_info"]["finish_reason"] is not None:
+                out.pop(ABORT_ECHO, None)
                 loop.call_soon_threadsafe(finished, out)
 
         self.scheduler.submit(self.scheduler.new_request(input_ids, params, emit, **kwargs))
@@ -271,7 +280,10 @@ class FakeSglangServer:
                 while not finished:
                     out = await outputs.get()
                     finished = out["meta_info"]["finish_reason"] is not None
-                    if self.incremental_streaming_output:
+                    if out.pop(ABORT_ECHO, False) and self.incremental_streaming_output:
+                        # `_handle_abort_req`: an incremental stream's abort chunk repeats the last token.
+                        out = {**out, "output_ids": out["output_ids"][-1:]}
+                    elif self.incremental_streaming_output:
                         out = _incremental(out, sent)
                         sent += len(out["output_ids"])
                     yield b"data: " + json.dumps(out).encode() + b"\n\n"
@@ -500,6 +512,16 @@ def build_app(
             server.is_pause = True
             await server.control(lambda: scheduler.pause(obj.mode))
         return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
+
+    @app.post("/abort_request")
+    async def abort_request(obj: AbortReq) -> Response:
+        server.check_fields(obj, "/abort_request")
+        if not obj.abort_all and not obj.rid:
+            # TokenizerManager.abort_request: an empty rid would match every request by prefix.
+            log.warning("Ignore abort_request with empty rid and abort_all=False")
+            return Response(status_code=200)
+        await server.control(lambda: scheduler.abort_request(obj.rid or "", obj.abort_all))
+        return Response(status_code=200)
 
     @app.post("/continue_generation")
     async def continue_generation(obj: ContinueGenerationReqInput) -> JSONResponse:

@@ -11,6 +11,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import psutil
 import pytest
 import torch
@@ -236,6 +237,56 @@ def test_sglang_engine_against_fake_server_n_choices_are_seeded_samples_with_the
     assert all(by_index[ch["index"]] == ch["token_ids"] for ch in choices), "the same seed drew other tokens"
     assert len({tuple(ch["token_ids"]) for ch in choices}) > 1, "every choice drew the same tokens"
     assert first["usage"]["completion_tokens"] == sum(len(ch["token_ids"]) for ch in choices)
+
+
+def test_sglang_engine_against_fake_server_aborts_a_stream_by_its_id_and_requests_in_flight_by_pause(app, http):
+    """SGLang's `/abort_request` under vLLM's routes: a stream named by its answer's id ends with
+    finish_reason abort after its tokens so far (SGLang ends a running request after one more
+    forward); `/pause?mode=abort` ends a whole request in flight and refuses new ones until the
+    resume."""
+    version = status(http)["weight_version"]
+    long = {"prompt": "One two", "max_tokens": 480, "ignore_eos": True}
+    pieces: list[dict] = []
+    aborted: list[dict] = []
+    last = ""
+    with (
+        httpx.Client(base_url=app.base_url, timeout=120) as c,
+        c.stream("POST", "/v1/completions", json={**long, "stream": True, "request_id": "sg"}) as resp,
+    ):
+        assert resp.status_code == 200
+        for line in filter(None, resp.iter_lines()):
+            last = line
+            if line.startswith("data: {"):
+                chunk = json.loads(line[len("data: ") :])
+                pieces += chunk["choices"]
+                if not aborted and sum(len(p["token_ids"]) for p in pieces) >= 4:
+                    assert chunk["id"] == "cmpl-sg"
+                    aborted.append(ok(http.post("/abort_requests", json={"request_ids": ["cmpl-sg"]})))
+    assert aborted[0]["aborted"] == 1 and last == "data: [DONE]", (aborted, last)
+    assert pieces[-1]["finish_reason"] == "abort" and all(p["finish_reason"] is None for p in pieces[:-1])
+    tokens = sum(len(p["token_ids"]) for p in pieces)
+    assert 4 <= tokens < 480 and pieces[-1]["weight_versions"] == [spans(version, tokens)]
+
+    with ThreadPoolExecutor(1) as pool:
+        whole = pool.submit(lambda: ok(httpx.post(f"{app.base_url}/v1/completions", json=long, timeout=120)))
+        poll(
+            lambda: sum(r["requests_in_flight"] or 0 for r in status(http)["replicas"]),
+            timeout=60,
+            what="the request in flight",
+            interval=0.05,
+        )
+        time.sleep(0.3)  # a few forwards: it has tokens to answer
+        try:
+            paused = ok(http.post("/pause", params={"mode": "abort"}))
+            assert sum(r["aborted"] for r in paused["replicas"]) == 1, paused["replicas"]
+            choice = whole.result(timeout=60)["choices"][0]
+            assert choice["finish_reason"] == "abort" and 0 < len(choice["token_ids"]) < 480, choice
+            assert choice["weight_versions"] == [spans(version, len(choice["token_ids"]))]
+            refused = http.post("/v1/completions", json={"prompt": "One", "max_tokens": 2})
+            assert refused.status_code == 503 and "mode=abort" in refused.text, refused.text
+        finally:
+            ok(http.post("/resume"))
+    assert complete(http, "One", max_tokens=2)["choices"][0]["finish_reason"] == "length"
 
 
 def test_sglang_engine_against_fake_server_processes_end_with_the_app(app, model_dir):

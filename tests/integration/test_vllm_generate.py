@@ -82,7 +82,8 @@ def test_weight_info_labels_the_served_version_and_a_relabel_only_names_it(http)
     """After the module's publish of version 3: vLLM's label of it, and /update_weight_version
     takes only that label (the app's version changes only with its weights)."""
     assert ok(http.get("/weight_info")) == {"weight_version": "3"}
-    assert ok(http.post("/update_weight_version", json={"new_version": "3"})) == {"success": True, "new_version": "3"}
+    relabel = ok(http.post("/update_weight_version", json={"new_version": "3"}))
+    assert relabel == {"success": True, "message": "Weight version updated to 3", "new_version": "3"}
     for label, code, words in [
         ("4", 409, "publish version 4 through POST /weights/update"),
         ("default", 409, "version 3 ('3') is served"),

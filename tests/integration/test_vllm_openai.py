@@ -241,3 +241,48 @@ def test_a_client_pause_freezes_vllm_across_an_update_and_generate_labels_the_ne
     assert [s["version"] for s in spans] == [now, version], spans
     got = ok(http.post("/inference/v1/generate", json={"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 3}}))
     assert got["choices"][0]["weight_versions"] == [{"version": str(version), "start": 0, "end": 3}]
+
+
+def test_vllm_aborts_a_long_request_by_its_id_and_a_stream_by_pause_abort_with_their_tokens(vllm_app, http):
+    """vLLM's abort on engine: vllm. A whole completion named by vLLM's request id of its prompt
+    (`/abort_requests`) answers finish_reason abort with its tokens so far and vLLM's exact spans
+    over them; `/pause?mode=abort` ends a stream (its last piece says abort, then [DONE]) and
+    refuses new requests until the resume. The stream, sent after the whole one, shows that both
+    run: vLLM decodes them in the same steps."""
+    version = status(http)["weight_version"]
+    whole_body = {"prompt": "One two", "max_tokens": LONG, "ignore_eos": True, "request_id": "vw"}
+    body = {"prompt": "Red green", "max_tokens": LONG, "ignore_eos": True, "stream": True}
+    pieces: list[dict] = []
+    answer: dict | None = None
+    paused: dict | None = None
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        whole = pool.submit(lambda: ok(httpx.post(f"{vllm_app.base_url}/v1/completions", json=whole_body, timeout=120)))
+        poll(lambda: status(http)["replicas"][0]["requests_in_flight"], timeout=60, what="the request in vLLM")
+        try:
+            with (
+                httpx.Client(base_url=vllm_app.base_url, timeout=120) as c,
+                c.stream("POST", "/v1/completions", json=body) as resp,
+            ):
+                assert resp.status_code == 200
+                for choices in streamed_choices(resp):
+                    pieces += choices
+                    if paused is None and sum(len(p["token_ids"]) for p in pieces) >= 4:
+                        aborted = ok(http.post("/abort_requests", json={"request_ids": ["cmpl-vw-0"]}))
+                        assert aborted["status"] == "aborted" and aborted["aborted"] == 1, aborted
+                        answer = whole.result(timeout=60)
+                        paused = ok(http.post("/pause", params={"mode": "abort"}))
+            assert paused is not None and paused["replicas"][0]["aborted"] == 1, paused
+            refused = http.post("/v1/completions", json={"prompt": "One", "max_tokens": 2})
+            assert refused.status_code == 503 and "POST /resume" in refused.text, refused.text
+        finally:
+            ok(http.post("/resume"))
+    assert answer is not None
+    choice = answer["choices"][0]
+    assert answer["id"] == "cmpl-vw" and choice["finish_reason"] == "abort", choice["finish_reason"]
+    assert 0 < len(choice["token_ids"]) < LONG
+    assert choice["weight_versions"] == [{"version": version, "start": 0, "end": len(choice["token_ids"])}]
+    assert pieces[-1]["finish_reason"] == "abort"
+    assert [p["finish_reason"] for p in pieces[:-1]] == [None] * (len(pieces) - 1)
+    streamed = sum(len(p["token_ids"]) for p in pieces)
+    assert 4 <= streamed < LONG and spans_cover(pieces[-1], streamed)
+    ok(http.post("/v1/completions", json={"prompt": "One", "max_tokens": 2}))

@@ -30,6 +30,7 @@ class FakeEngine:
         self.weight_version = 0
         self.transfer_ranks = 1
         self.client_held = False
+        self.client_aborting = False
         self.rpc_calls: list[tuple[str, tuple[Any, ...]]] = []
 
     def status(self) -> EngineStatus:

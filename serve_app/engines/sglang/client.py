@@ -172,6 +172,16 @@ class PauseGenerationBody(_Request):
     mode: Literal["abort", "retract", "in_place"]
 
 
+class AbortRequestBody(_Request):
+    """`POST /abort_request` (AbortReq): end request `rid`, or every request (`abort_all`). SGLang
+    answers 200 with no body, whether or not it still runs the request; the request's own answer
+    ends with finish_reason {"type": "abort"} and its tokens so far (a running one after one more
+    forward, whose token it keeps)."""
+
+    rid: str | None = None
+    abort_all: bool = False
+
+
 class ContinueGenerationBody(_Request):
     """`POST /continue_generation` (ContinueGenerationReqInput; newer versions add
     `torch_empty_cache`, default true)."""
@@ -215,6 +225,8 @@ class GenerateBody(_Request):
     """0: also every prompt token's logprob (the first is null); SGLang's default -1: none."""
     cache_salt: str | None = None
     """Only requests with the same salt share radix-cache prefixes."""
+    rid: str | None = None
+    """The request's id, which `/abort_request` names it by (SGLang makes one when absent)."""
 
 
 class FinishReason(_Answer):

@@ -3,9 +3,13 @@
 * Server: `sglang.url` if set, else the replica launches `sglang.server_command` as a child
   process (serve_app/engines/sglang/server.py) and terminates it on shutdown.
 * Generation: `POST /generate` with the sequence's sampling as SGLang's `sampling_params`
-  (`generate_body`), streamed as server-sent events when the caller streams; each chunk's
-  `meta_info.weight_version` is the version of its tokens, and newer servers give exact
-  `weight_versions` spans when the sequence finishes (`ChunkReader`).
+  (`generate_body`) and its request id as SGLang's `rid`, streamed as server-sent events when the
+  caller streams; each chunk's `meta_info.weight_version` is the version of its tokens, and newer
+  servers give exact `weight_versions` spans when the sequence finishes (`ChunkReader`).
+* Aborts: `POST /abort_request {rid}` per sequence, or `{abort_all: true}`; SGLang ends each with
+  finish_reason {"type": "abort"} and its tokens so far, which is finish_reason 'abort' where the
+  app asked for it (`abort_asked`) and a failure otherwise. SGLang cannot abort a request that
+  waits at its own pause (sent while the engine was held): that one runs once the hold ends.
 * Profiling: `POST /start_profile` with `output_dir` = this replica's own trace directory,
   `profile_prefix` = "step<k>[-tag]-v<version>" (SGLang names the files `<prefix>-<profile_id>-TP-
   <tp>....trace.json.gz`), `num_steps` = max_forward_steps (SGLang stops and writes the trace by
@@ -57,6 +61,7 @@ from serve_app.engines.adapter import EngineAdapter
 from serve_app.engines.engine_profiler import EngineProfiler, EngineTrace
 from serve_app.engines.generation import GenerateDelta, GenerateRequest, TokenLogprobs, WeightVersionSpan
 from serve_app.engines.sglang.client import (
+    AbortRequestBody,
     BeginWeightUpdateBody,
     ContinueGenerationBody,
     DestroyWeightsUpdateGroupBody,
@@ -318,6 +323,7 @@ def generate_body(request: GenerateRequest) -> GenerateBody:
         top_logprobs_num=top if top else None,
         logprob_start_len=0 if s.prompt_logprobs is not None else None,
         cache_salt=request.cache_salt,
+        rid=request.request_id,
     )
 
 
@@ -329,10 +335,12 @@ class ChunkReader:
     far in both modes, so the new tokens are always the last `completion_tokens - seen` of
     `output_ids`, and their logprobs sit at the same offset in the logprob lists."""
 
-    def __init__(self, request: GenerateRequest, url: str):
+    def __init__(self, request: GenerateRequest, url: str, abort_asked: Callable[[], bool] = lambda: False):
+        """`abort_asked`: whether the app asked to end this sequence early."""
         self._sampling = request.sampling
         self._prompt_len = len(request.prompt_token_ids)
         self._url = url
+        self._abort_asked = abort_asked
         self.seen = 0
         """Output tokens delivered so far."""
         self.finished = False
@@ -342,6 +350,12 @@ class ChunkReader:
             raise SglangError(f"SGLang at {self._url} sent output after the sequence finished")
         meta = chunk.meta_info
         new = meta.completion_tokens - self.seen
+        if new == 0 and meta.finish_reason is not None and meta.finish_reason.type == "abort":
+            # An abort echoed for a request off the running batch (`_handle_abort_req`) brings no
+            # new token; streamed incrementally it repeats the last one.
+            delta = GenerateDelta(weight_version=None if meta.weight_version is None else _version(meta.weight_version))
+            self._finish(delta, meta)
+            return delta
         offset = len(chunk.output_ids) - new  # `seen` in SGLang's cumulative mode, 0 in incremental
         if new < 0 or offset not in (0, self.seen):
             raise SglangError(
@@ -386,13 +400,13 @@ class ChunkReader:
     def _finish(self, delta: GenerateDelta, meta: GenerateMetaInfo) -> None:
         reason = meta.finish_reason
         assert reason is not None
-        if reason.type == "abort":
+        if reason.type == "abort" and (reason.status_code is not None or not self._abort_asked()):
             message = f"SGLang at {self._url} aborted the request: {reason.message}"
             if reason.status_code == 400:  # SGLang refused the request itself
                 raise ValueError(message)
             raise SglangError(message, status=reason.status_code)
         self.finished = True
-        delta.finish_reason = "stop" if reason.type == "stop" else "length"
+        delta.finish_reason = reason.type if reason.type in ("stop", "abort") else "length"
         matched = reason.matched
         if isinstance(matched, str) and matched in self._sampling.stop:
             delta.stop_reason = matched
@@ -447,7 +461,7 @@ class SglangEngine(EngineAdapter):
 
     async def stream(self, request: GenerateRequest) -> AsyncGenerator[GenerateDelta, None]:
         body = generate_body(request)
-        reader = ChunkReader(request, self._client.url)
+        reader = ChunkReader(request, self._client.url, lambda: self.host.abort_asked(request.request_id))
         try:
             if request.stream:
                 # Closing this iterator closes the HTTP stream now, not when the stream is collected.
@@ -473,6 +487,12 @@ class SglangEngine(EngineAdapter):
             version=self.host.weight_version,
         )
         return self._recording
+
+    async def abort(self, request_ids: list[str] | None) -> None:
+        if request_ids is None:
+            await self._client.call("/abort_request", AbortRequestBody(abort_all=True))
+        else:
+            await asyncio.gather(*(self._client.call("/abort_request", AbortRequestBody(rid=r)) for r in request_ids))
 
     async def pause(self) -> None:
         await self._client.call("/pause_generation", PauseGenerationBody(mode="retract"))

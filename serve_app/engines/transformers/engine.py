@@ -10,7 +10,9 @@ the running batch ends, then joins the next batch's prefill. After each forward 
 (serve_app/engines/transformers/sampler.py) picks every sequence's token, and the control thread hands the
 sequence's deltas to the request's event loop, each tagged with the weight version of the pass
 that produced it. A consumer that goes away marks its sequence aborted; the next engine step
-drops it from the batch (a batch whose sequences all ended ends).
+drops it from the batch (a batch whose sequences all ended ends). An abort the app asks for
+(`abort`) runs on the control thread between two engine steps: each sequence it names gets its
+last deltas at once, finish_reason 'abort' with the tokens not sent yet, and is dropped likewise.
 """
 
 from __future__ import annotations
@@ -87,6 +89,14 @@ class _Sequence:
             self.sent_any = True
             return [delta]
         return self.runs if finish is not None else None
+
+    def abort_deltas(self) -> list[GenerateDelta]:
+        """The last deltas of a sequence the app ends early: finish_reason 'abort' on the output
+        not sent yet (streamed: all was sent), one delta per run of one weight version."""
+        if self.request.stream or not self.runs:
+            return [GenerateDelta(finish_reason="abort")]
+        self.runs[-1].finish_reason = "abort"
+        return self.runs
 
 
 @dataclass
@@ -268,6 +278,21 @@ class TransformersEngine(EngineAdapter):
     # -- profiling and weights ------------------------------------------------------------------
     def profiler(self, spec: SessionSpec) -> ProfilerBackend:
         return in_process_backend(spec)
+
+    async def abort(self, request_ids: list[str] | None) -> None:
+        named = None if request_ids is None else set(request_ids)
+
+        def abort() -> None:  # on the control thread: between two engine steps
+            with self._pending_lock:
+                waiting = [s for s in self._pending if named is None or s.request.request_id in named]
+                for s in waiting:
+                    self._pending.remove(s)
+            batch = self._batch.seqs if self._batch else []
+            running = [s for s in batch if named is None or s.request.request_id in named]
+            # Sent now; the next step drops the running ones from the batch (and its KV cache).
+            self._send([(s, s.abort_deltas()) for s in [*waiting, *running] if s.live])
+
+        await self.host.on_thread(abort)
 
     async def pause(self) -> None:
         self.host.thread.admit(False)

@@ -16,7 +16,14 @@ class TransformersOptions(EngineOptions):
     engine = "transformers"
     implementation = "serve_app.engines.transformers.engine:TransformersEngine"
     capabilities = frozenset(
-        {Capability.GENERATE, Capability.PROFILE, Capability.PAUSE, Capability.LOAD_PATH, Capability.RECEIVE_COLLECTIVE}
+        {
+            Capability.GENERATE,
+            Capability.PROFILE,
+            Capability.PAUSE,
+            Capability.LOAD_PATH,
+            Capability.RECEIVE_COLLECTIVE,
+            Capability.ABORT,
+        }
     )
     lacks: ClassVar[dict[Capability, str]] = {
         Capability.ADOPT_EXTERNAL: "it keeps no weight version of its own, so it cannot confirm that the "

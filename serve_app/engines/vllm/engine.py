@@ -9,6 +9,9 @@
 * Generation (`_stream`): each request's `SamplingSpec` becomes vLLM's `SamplingParams`
   (`vllm_sampling_params`); vLLM streams each step's new tokens when the caller streams, else
   sends one output at the end. Closing the stream aborts the request in vLLM.
+* Aborts (`abort`): `AsyncLLM.abort` of the sequences' request ids (all: every request vLLM's
+  output processor tracks, as vLLM's /abort_requests without ids); vLLM answers each with
+  finish_reason 'abort' and its tokens so far, which the app asked for (`abort_asked`).
 * Weights: pause (in-flight requests kept), empty the prefix cache with the kept requests
   preempted (they recompute their KV on the new weights), the worker's `reload_weights` through
   the extension (which sets the version its markers carry), resume; the version is also given to
@@ -30,7 +33,6 @@ import asyncio
 import contextlib
 import shutil
 import time
-import uuid
 from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -139,10 +141,11 @@ def _version(label: str) -> int:
         ) from None
 
 
-def _finish(delta: GenerateDelta, choice: CompletionOutput) -> None:
-    """The last delta: why the sequence ended, and vLLM's exact weight-version spans."""
-    if choice.finish_reason not in ("stop", "length"):
-        # 'abort': vLLM dropped the sequence (engine shutdown, or an abort from elsewhere).
+def _finish(delta: GenerateDelta, choice: CompletionOutput, abort_asked: bool) -> None:
+    """The last delta: why the sequence ended, and vLLM's exact weight-version spans.
+    `abort_asked`: the app asked to end it early, so an 'abort' from vLLM is the answer."""
+    if choice.finish_reason not in ("stop", "length") and not (choice.finish_reason == "abort" and abort_asked):
+        # An 'abort' unasked: vLLM dropped the sequence (engine shutdown, or an abort from elsewhere).
         raise RuntimeError(f"vLLM ended the sequence with finish_reason {choice.finish_reason!r} before it completed")
     delta.finish_reason = choice.finish_reason
     delta.stop_reason = choice.stop_reason
@@ -394,7 +397,7 @@ class VllmEngine(EngineAdapter):
         outputs = self._llm.generate(
             prompt,
             vllm_sampling_params(spec, request.stream),
-            request_id=uuid.uuid4().hex,
+            request_id=request.request_id,
         )
         # Closing `outputs` (as we are closed, or on an error) makes vLLM abort the request and
         # free its slot; left to the garbage collector, the sequence would keep decoding.
@@ -414,7 +417,7 @@ class VllmEngine(EngineAdapter):
                         delta.prompt_logprobs = _prompt_logprobs(out.prompt_logprobs, spec.prompt_logprobs)
                     first = False
                     if out.finished:
-                        _finish(delta, choice)
+                        _finish(delta, choice, self.host.abort_asked(request.request_id))
                     yield delta
             except VLLMClientError as e:  # vLLM refused the request itself (e.g. too many logprobs)
                 raise ValueError(f"vLLM refused the request: {e}") from e
@@ -423,6 +426,13 @@ class VllmEngine(EngineAdapter):
         assert self.host.loop is not None, "the session starts a recording only from start_profile"
         kind = VllmCudaProfiler if spec.options.tool == "nsys" else VllmWorkerProfiler
         return kind(spec, llm=self._llm, trace_dir=self.host.trace_dir, loop=self.host.loop)
+
+    async def abort(self, request_ids: list[str] | None) -> None:
+        if request_ids is None:
+            # As vLLM's /abort_requests without ids: every request its output processor tracks.
+            await self._llm.abort(list(self._llm.output_processor.request_states), internal=True)
+        else:
+            await self._llm.abort(request_ids)
 
     async def pause(self) -> None:
         # "keep": freeze in-flight requests in the queue; they continue after resume.

@@ -726,7 +726,7 @@ def test_sglang_generate_body_maps_every_sampling_field():
         include_stop_str_in_output=True,
     )
     sent = generate_body(
-        GenerateRequest(prompt_token_ids=[1, 2, 3], sampling=spec, stream=True, cache_salt="v7")
+        GenerateRequest(prompt_token_ids=[1, 2, 3], sampling=spec, stream=True, cache_salt="v7", request_id="r1")
     ).model_dump(exclude_none=True)
     assert sent == {
         "input_ids": [1, 2, 3],
@@ -751,12 +751,14 @@ def test_sglang_generate_body_maps_every_sampling_field():
         "top_logprobs_num": 4,  # one count in SGLang for output and prompt: the larger, each cut to its own
         "logprob_start_len": 0,
         "cache_salt": "v7",  # SGLang's own field (GenerateReqInput.cache_salt)
+        "rid": "r1",  # the sequence's id, which /abort_request names
     }
 
 
 def test_sglang_generate_body_defaults_change_nothing_in_sglang():
     sent = generate_body(req(max_tokens=5, min_tokens=2, ignore_eos=True)).model_dump(exclude_none=True)
     params = sent.pop("sampling_params")
+    assert sent.pop("rid"), "every sequence is sent with its id, which /abort_request names"
     assert sent == {"input_ids": [5, 6, 7, 8], "stream": False, "return_logprob": False}
     assert params["top_k"] == -1 and "sampling_seed" not in params and "stop" not in params
     assert "stop_token_ids" not in params and params["min_new_tokens"] == 2 and params["ignore_eos"] is True

@@ -276,6 +276,7 @@ ADAPTER_BODIES: dict[str, type[BaseModel]] = {
     "/generate": sglang_client.GenerateBody,
     "/pause_generation": sglang_client.PauseGenerationBody,
     "/continue_generation": sglang_client.ContinueGenerationBody,
+    "/abort_request": sglang_client.AbortRequestBody,
     # The weight routes a trainer reaches through engine_rpc, each with the body it is held to.
     **dict(sglang_engine.ENGINE_RPC_ROUTES.values()),
 }
