@@ -31,9 +31,10 @@ class AppRoutes(
         **ProfileRoutesMixin.ENDPOINTS,
         **EngineProfileRoutesMixin.ENDPOINTS,
         **WeightRoutesMixin.ENDPOINTS,
+        **SglangRoutesMixin.ENDPOINTS,
         **OpenAIRoutesMixin.ENDPOINTS,
         **VllmRoutesMixin.ENDPOINTS,
-        **SglangRoutesMixin.ENDPOINTS,
         **OpsRoutesMixin.ENDPOINTS,
     }
-    """Each handler's name and how it is routed (every mixin's ENDPOINTS)."""
+    """Each handler's name and how it is routed (every mixin's ENDPOINTS), in the order of the
+    class's bases: the route reference (tools/openapi_doc.py) lists them in that order."""
