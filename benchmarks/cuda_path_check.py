@@ -55,9 +55,9 @@ from torch import nn
 from profiling.analysis.clocks import ClockProbe, wall_ns
 from profiling.backends import forked, torch_profiler
 from profiling.backends.torch_profiler import init_kineto, quiet_kineto_env
-from profiling.clock_exchange import PINGS, ClockReading, offset_from
+from profiling.clock_exchange import own_offset
 from profiling.config import Activity, ProfileOptions
-from profiling.manifest import ClockOffset, ManifestEntry, StepManifest, SyncCost, TrainerRecord
+from profiling.manifest import ManifestEntry, StepManifest, SyncCost, TrainerRecord
 from profiling.markers import FORWARD_STEP, parse_forward_step
 from profiling.schedule import StepSchedule
 from profiling.session import ProfileSession, SessionSpec
@@ -178,18 +178,6 @@ class Trainer:
 # -- clocks, sessions -----------------------------------------------------------------------------
 
 
-def self_offset() -> ClockOffset:
-    """This process's clock against the reference, which without an app is this process itself:
-    measured the way the trainer's client measures it against the app (profiling.clock_exchange),
-    so the entry carries what a real run's would and `verify`'s clock check applies."""
-    readings = []
-    for _ in range(PINGS):
-        sent = time.time_ns()
-        remote = time.time_ns()
-        readings.append(ClockReading(sent, remote, time.time_ns()))
-    return offset_from(readings)
-
-
 def new_session(store: TraceStore, exporter: ThreadPoolExecutor) -> ProfileSession:
     """A trainer rank's session, as ProfiledWeightSync makes it."""
     return ProfileSession(store=store, entry_identity=ManifestEntry(role="trainer", rank=RANK), exporter=exporter)
@@ -258,7 +246,7 @@ def run_schedule(
                 t0 = time.perf_counter()
                 session.stop(plan.stop_step)
                 cost.stop_s = time.perf_counter() - t0
-                session.annotate(plan.stop_step, sync=cost, clock_offset=self_offset())
+                session.annotate(plan.stop_step, sync=cost, clock_offset=own_offset())
             if plan.start_step is not None:
                 label = plan.start_step
                 mark_ranks(store, label)
@@ -525,7 +513,7 @@ def exercise_nsys(trainer: Trainer, save_path: Path, fit_steps: int) -> dict[str
         t0 = time.perf_counter()
         session.stop(1)
         stop_s = time.perf_counter() - t0
-        session.annotate(1, clock_offset=self_offset())
+        session.annotate(1, clock_offset=own_offset())
         entry = session.wait_exported(1, timeout=CLI_TIMEOUT_S)
     finally:
         exporter.shutdown(wait=True)

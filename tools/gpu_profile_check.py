@@ -180,19 +180,6 @@ def run_verify(report: Report, save_path: Path, name: str = "verify") -> None:
 # -- the in-process run ------------------------------------------------------------------------
 
 
-def _measure_offset() -> Any:
-    """This process's clock against the 'controller's', which here is the same process: measured
-    the way the app measures a replica's, so the step records say what a real step's would."""
-    from profiling.clock_exchange import PINGS, ClockReading, offset_from
-
-    readings = []
-    for _ in range(PINGS):
-        sent = time.time_ns()
-        remote = time.time_ns()
-        readings.append(ClockReading(sent, remote, time.time_ns()))
-    return offset_from(readings)
-
-
 def run(out: Path, device: str, passes: int, fit_steps: int, cache_dir: Path | None) -> Report:
     """Record steps 1 and 2 under `out/traces` on `device` and check them."""
     import torch
@@ -200,6 +187,7 @@ def run(out: Path, device: str, passes: int, fit_steps: int, cache_dir: Path | N
 
     from profiling.analysis.merge import MergeError, merge_step
     from profiling.backends.torch_profiler import init_kineto, quiet_kineto_env
+    from profiling.clock_exchange import own_offset
     from profiling.config import ProfileOptions
     from profiling.manifest import ManifestEntry, SessionRecord, SyncCost
     from profiling.markers import FORWARD_STEP, format_forward_step
@@ -273,7 +261,7 @@ def run(out: Path, device: str, passes: int, fit_steps: int, cache_dir: Path | N
             cost.stop_s = time.perf_counter() - t0
             held_from = t0
             record.stopped_at = time.time()
-            record.clock_offsets[ROLLOUT_ID] = _measure_offset()
+            record.clock_offsets[ROLLOUT_ID] = own_offset()
             store.write_session(k, record)
 
             trainer.start(spec, weight_version=version)
@@ -292,7 +280,7 @@ def run(out: Path, device: str, passes: int, fit_steps: int, cache_dir: Path | N
             # As a replica stopped with pause: admission held from the stop through the update,
             # so every pass on version k-1 ran inside step k's window.
             rollout.annotate(k, sync_held_s=time.perf_counter() - held_from, forward_steps_outside=0)
-            trainer.annotate(k, sync=cost, clock_offset=_measure_offset())
+            trainer.annotate(k, sync=cost, clock_offset=own_offset())
         for k in STEPS:
             for session in (rollout, trainer):
                 session.wait_exported(k, timeout=120)
