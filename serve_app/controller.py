@@ -32,6 +32,7 @@ from serve_app.api import (
     InClusterWeightsRequest,
     IsPausedResponse,
     PauseResponse,
+    ReplicaReport,
     ResetPrefixCacheResponse,
     ResumeResponse,
     StartProfileRequest,
@@ -45,6 +46,7 @@ from serve_app.api import (
 )
 from serve_app.config import AppArgs
 from serve_app.control.client_pause import ClientPauses
+from serve_app.control.engine_transfer import ChunkBody, EngineTransfer
 from serve_app.control.fleet import Fleet
 from serve_app.control.profile_control import ProfileControl
 from serve_app.control.server_schedule import ServerSchedule
@@ -92,6 +94,7 @@ class RolloutController:
         self.pauses = ClientPauses(self._fleet, args)
         await self.pauses.recover()
         self.schedule = ServerSchedule(self._fleet, self.profile, args)
+        self.transfer = EngineTransfer(self._fleet, self.profile, self.weights, self.schedule, args)
         await self.schedule.hold_until_begun()  # before any replica reads the desired state
         self._calls = ShieldedCalls()
         # A restart mid-step resumes it (its watchdog, replicas that missed it, its record), in the
@@ -105,6 +108,7 @@ class RolloutController:
 
     # -- /profile/* -----------------------------------------------------------------------------
     async def start_profile(self, req: StartProfileRequest) -> StartProfileResponse:
+        self.transfer.refuse_while_open(f"starting step {req.step}")
         return await self._calls.run("start", lambda: self.profile.start(req))
 
     async def stop_profile(self, req: StopProfileRequest) -> StopProfileResponse:
@@ -129,6 +133,7 @@ class RolloutController:
         def update(resume: bool) -> Awaitable[UpdateWeightsResponse]:
             return self.weights.update_weights(req.model_copy(update={"resume": resume}))
 
+        self.transfer.refuse_while_open(f"publishing version {req.version}")
         await self.weights.precheck(req.version, req.path)
         return await self._calls.run(
             "update_weights", lambda: self.schedule.around_update(req.version, req.resume, update)
@@ -140,6 +145,7 @@ class RolloutController:
         def update(resume: bool) -> Awaitable[UpdateWeightsResponse]:
             return self.weights.update_weights_in_cluster(req.model_copy(update={"resume": resume}), refs)
 
+        self.transfer.refuse_while_open(f"publishing version {req.version}")
         await self.weights.precheck(req.version, None)
         return await self._calls.run(
             "update_weights", lambda: self.schedule.around_update(req.version, req.resume, update)
@@ -150,6 +156,29 @@ class RolloutController:
     ) -> list[EngineRpcReport]:
         # Not shielded: a trainer's own RPC, which the trainer alone knows how to repeat or undo.
         return await self.weights.engine_rpc(method, args, kwargs, timeout_s)
+
+    # -- the engines' own weight-update group over HTTP (docs/design.md#engine-transfer) -----------
+    async def transfer_init(
+        self, body: dict[str, Any], rank_offset: int | None, world_size: int | None
+    ) -> list[ReplicaReport]:
+        """Every live replica's engine joins the trainer's group (`body`: the engine's init fields)."""
+        return await self._calls.run("transfer_init", lambda: self.transfer.init(body, rank_offset, world_size))
+
+    async def transfer_begin(self) -> list[ReplicaReport]:
+        """Open one weight update through the group: the sync's stop, or its hold alone."""
+        return await self._calls.run("transfer_begin", self.transfer.begin)
+
+    async def transfer_send(self, body: ChunkBody, label: str | None) -> list[ReplicaReport]:
+        """One chunk of the update into every member's engine."""
+        return await self._calls.run("transfer_send", lambda: self.transfer.send(body, label))
+
+    async def transfer_end(self, label: str | None) -> UpdateWeightsResponse:
+        """Close the update, publish its version, start the next window."""
+        return await self._calls.run("transfer_end", lambda: self.transfer.end(label))
+
+    async def transfer_close(self, body: dict[str, Any]) -> list[ReplicaReport]:
+        """Every member's engine leaves the trainer's group."""
+        return await self._calls.run("transfer_close", lambda: self.transfer.close(body))
 
     # -- a client's pause (vLLM's /pause, /resume, /is_paused) ------------------------------------
     async def pause(self, mode: ClientPauseMode) -> PauseResponse:

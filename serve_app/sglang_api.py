@@ -19,7 +19,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from profiling.config import StrictModel
-from serve_app.api import ClientPauseMode
+from serve_app.api import ClientPauseMode, UpdateWeightsResponse
 from serve_app.choices import LOWEST_LOGPROB
 from serve_app.generate_api import version_label, version_of_label
 from serve_app.openai_api import (
@@ -45,12 +45,10 @@ FLUSHED_TEXT = (
     "(When there are running or waiting requests, the operation will not be performed.)\n"
 )
 NOT_FLUSHED_TEXT = "Flush cache failed.\n"
-DISTRIBUTED_REFUSAL = (
-    "the app does not join a trainer's weight-update group (SGLang's /init_weights_update_group, "
-    "/update_weights_from_distributed, /destroy_weights_update_group): publish a checkpoint under the app's "
-    "weights_dir through POST /update_weights_from_disk, or broadcast the tensors through the app's own "
-    "collective, POST /weights/update with source collective (docs/design.md#weights-by-collective)"
-)
+GROUP_JOINED_TEXT = "Succeeded to initialize custom process group."
+GROUP_LEFT_TEXT = "Succeeded to destroy custom process group."
+CHUNK_LOADED_TEXT = "Succeeded to update parameter online."
+SESSION_TEXT = "Success"
 
 _UNSET: tuple[Any, ...] = (None, False, [], {})
 """What SGLang reads as a field left unset: such a field is accepted and changes nothing."""
@@ -435,10 +433,94 @@ class UpdateWeightsFromDiskResponse(_Answer):
 
 
 class SglangResult(_Answer):
-    """SGLang's answer of its weight-group routes (here a 400 refusal)."""
+    """SGLang's answer of its weight-group routes: 200 with `success` true, or 400 with `success`
+    false and why."""
 
     success: bool
     message: str
+
+
+class SglangUpdateResult(SglangResult):
+    """SGLang's answer to `/end_weight_update`, with the publication of the update's version (as
+    `/weights/update` answers it, the app's own schedule's calls included)."""
+
+    update: UpdateWeightsResponse | None = None
+
+
+class InitWeightsUpdateGroup(StrictModel):
+    """`POST /init_weights_update_group` (SGLang's InitWeightsUpdateGroupReqInput)."""
+
+    master_address: str = Field(min_length=1)
+    master_port: int = Field(ge=1, le=65535)
+    rank_offset: int = Field(ge=1)
+    """Where the app's engine workers start in the trainer's group (rank 0 is the trainer's): the
+    app stands for one SGLang server whose TP ranks are every replica's in turn, so each replica
+    is given its own offset."""
+    world_size: int = Field(ge=2)
+    group_name: str = Field("weight_update_group", min_length=1)
+    backend: str = Field("nccl", min_length=1)
+    """The group's backend, as SGLang takes it (gloo on CPU)."""
+
+    @model_validator(mode="after")
+    def _rank_in_group(self) -> InitWeightsUpdateGroup:
+        if self.rank_offset >= self.world_size:
+            raise ValueError(f"rank_offset {self.rank_offset} is outside a group of world_size {self.world_size}")
+        return self
+
+    def engine_body(self) -> dict[str, Any]:
+        """The fields each replica's SGLang gets, all but its own rank offset."""
+        return self.model_dump(exclude={"rank_offset"})
+
+
+class BeginWeightUpdate(StrictModel):
+    """`POST /begin_weight_update` (SGLang's BeginWeightUpdateReqInput)."""
+
+    selector: Literal["target", "all"] = "all"
+    """The app's engines serve no draft model: the target is all of them."""
+
+
+class EndWeightUpdate(StrictModel):
+    """`POST /end_weight_update` (SGLang's EndWeightUpdateReqInput)."""
+
+
+class UpdateWeightsFromDistributed(StrictModel):
+    """`POST /update_weights_from_distributed` (SGLang's UpdateWeightsFromDistributedReqInput): one
+    chunk of the open update, broadcast by the trainer to every replica's SGLang at once."""
+
+    names: list[str] = Field(min_length=1)
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = Field("weight_update_group", min_length=1)
+    load_format: Literal["flattened_bucket"] | None = None
+    weight_version: str | None = Field(None, min_length=1, max_length=64)
+    """The version the update publishes at /end_weight_update, as SGLang labels it ("<k>");
+    default: the served version + 1."""
+    flush_cache: bool = True
+    """Accepted either way: the prefix cache is emptied when the update is published."""
+    abort_all_requests: bool = False
+    """End the requests in flight first (they are held meanwhile), on an engine that can abort."""
+    selector: Literal["target", "all"] = "all"
+    torch_empty_cache: bool = False
+    """Accepted either way: the engines free what a load leaves on their own."""
+
+    @model_validator(mode="after")
+    def _one_entry_per_tensor(self) -> UpdateWeightsFromDistributed:
+        if not len(self.names) == len(self.dtypes) == len(self.shapes):
+            raise ValueError(
+                f"names, dtypes and shapes give one entry per tensor: got {len(self.names)}, "
+                f"{len(self.dtypes)} and {len(self.shapes)}"
+            )
+        return self
+
+    def engine_body(self) -> dict[str, Any]:
+        """The chunk's fields each replica's SGLang gets (the version is set when it is published)."""
+        return self.model_dump(include={"names", "dtypes", "shapes", "group_name", "load_format"}, exclude_none=True)
+
+
+class DestroyWeightsUpdateGroup(StrictModel):
+    """`POST /destroy_weights_update_group` (SGLang's DestroyWeightsUpdateGroupReqInput)."""
+
+    group_name: str = Field("weight_update_group", min_length=1)
 
 
 class PauseGeneration(StrictModel):

@@ -2,9 +2,9 @@
 
 verl and slime move weights into SGLang servers with SGLang's own distributed update: the trainer
 forms a process group with every server (the trainer rank 0, each server `rank_offset` + its
-tp_rank), broadcasts each tensor, and SGLang loads them and takes the new weight version. The app
-cannot do this for you (SGLang receives and loads in one call, so the replicas cannot first all
-receive and then all load: docs/sglang.md), but it profiles around it: `ProfiledWeightSync(...,
+tp_rank), broadcasts each tensor, and SGLang loads them and takes the new weight version. A trainer
+outside the cluster drives the same routes over HTTP (docs/sglang.md#the-update-group-over-http);
+one in the cluster drives them through the handle, and the app profiles around it: `ProfiledWeightSync(...,
 publisher=ExternalPublisher(move))` calls `await move(version)` between the stop (which holds generation) and the start
 of the next profiled step, then publishes the version with `/weights/update {"source":
 "external"}`, which succeeds only when every replica's SGLang reports that version.

@@ -13,6 +13,7 @@ from profiling.manifest import Driver, SessionRecord
 from profiling.session import SessionSpec
 from serve_app.api import (
     Outcome,
+    ReplicaReport,
     StartProfileRequest,
     StartProfileResponse,
     StatusResponse,
@@ -24,6 +25,7 @@ from serve_app.control.capabilities import require
 from serve_app.control.clock_exchange import measure_replicas
 from serve_app.control.fleet import Fleet, broadcast
 from serve_app.control.step_records import StepRecords
+from serve_app.desired_state import DesiredState
 from serve_app.engines.options import Capability
 from serve_app.errors import BacklogFull, Conflict, ControlError, Refused, Unavailable
 from serve_app.metrics import EXPORTING_STEPS, observe_stop, timed_call
@@ -197,9 +199,7 @@ class ProfileControl:
                 return self._last_stop[1]
             if desired.active is None:
                 if req.pause:
-                    desired.paused = True
-                    await self._fleet.publish(desired)
-                    await self._fleet.broadcast("stop_profile", None, True)
+                    await self._hold(desired)
                 return StopProfileResponse(step=None, stopped=False)
             if desired.active.step != req.step:
                 raise Conflict(f"step {req.step} is not being profiled (active step: {desired.active.step})")
@@ -228,6 +228,18 @@ class ProfileControl:
             )
             self._last_stop = (req, response) if reason is None else None
             return response
+
+    async def hold(self) -> list[ReplicaReport]:
+        """Hold admission of engine steps on every replica without stopping anything (a stop's
+        `pause` alone): until the next start or resuming update, or hold_timeout_s."""
+        require(self._args, Capability.PAUSE, "holding generation")
+        async with self._fleet.lock:
+            return await self._hold(await self._fleet.desired())
+
+    async def _hold(self, desired: DesiredState) -> list[ReplicaReport]:
+        desired.paused = True
+        await self._fleet.publish(desired)
+        return await self._fleet.broadcast("stop_profile", None, True)
 
     async def _measure_clocks(self, step: int) -> None:
         """Measure every replica's clock against this controller's (the app's reference clock)

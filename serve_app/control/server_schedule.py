@@ -21,6 +21,7 @@ from serve_app.api import ScheduleActions, StartProfileRequest, StopProfileReque
 from serve_app.config import AppArgs
 from serve_app.control.fleet import Fleet
 from serve_app.control.profile_control import ProfileControl
+from serve_app.desired_state import DesiredState
 from serve_app.errors import BacklogFull, ControlError
 
 log = logging.getLogger(__name__)
@@ -94,28 +95,59 @@ class ServerSchedule:
         schedule's stop before it and start after it when the app drives."""
         if not await self.driving():
             return await update(resume)
-        assert self._schedule is not None  # driving() says so
         async with self._sync:
-            desired = await self._fleet.desired()
-            if version <= desired.weight_version:  # a repeat or a stale version: its own answer, no step moves
-                return await update(resume)
-            active = desired.active.steps if desired.active is not None else None
-            plan = self._schedule.on_publish(version, active)
-            actions = ScheduleActions()
-            if plan.stop_step is not None:
-                await self._profile.stop(StopProfileRequest(step=plan.stop_step, pause=True), driver="server")
-                actions.stopped_step = plan.stop_step
+            if version <= (await self._fleet.desired()).weight_version:
+                return await update(resume)  # a repeat or a stale version: its own answer, no step moves
+            actions = ScheduleActions(stopped_step=await self._stop_ending(version))
             try:
-                response = await update(resume and plan.start_step is None)
+                response = await update(resume and self._starting(version, await self._fleet.desired()) is None)
             except BaseException:
                 if actions.stopped_step is not None:  # not published: generation goes on, on the old version
-                    await self._release()
+                    await self.release()
                 raise
-            if plan.start_step is not None:
-                actions.error = await self._start(plan.start_step)
-                actions.started_step = None if actions.error else plan.start_step
-            response.schedule = actions
+            response.schedule = await self._start_beginning(version, actions)
             return response
+
+    async def stop_ending(self, version: int) -> int | None:
+        """When the app drives: stop the window that publishing `version` ends, with the hold
+        (the first half of `around_update`, for an update that arrives in several calls); the
+        step stopped, or None."""
+        if not await self.driving():
+            return None
+        async with self._sync:
+            return await self._stop_ending(version)
+
+    async def start_beginning(self, version: int, actions: ScheduleActions) -> ScheduleActions | None:
+        """When the app drives: after `version` was published, start the window beginning at
+        `version` + 1 (it ends the hold); `actions` with what was started, or why not. None: the
+        app does not drive (nothing started, the hold stays)."""
+        if not await self.driving():
+            return None
+        async with self._sync:
+            return await self._start_beginning(version, actions)
+
+    async def _stop_ending(self, version: int) -> int | None:
+        assert self._schedule is not None  # driving() says so
+        desired = await self._fleet.desired()
+        active = desired.active.steps if desired.active is not None else None
+        plan = self._schedule.on_publish(version, active)
+        if plan.stop_step is None:
+            return None
+        await self._profile.stop(StopProfileRequest(step=plan.stop_step, pause=True), driver="server")
+        return plan.stop_step
+
+    def _starting(self, version: int, desired: DesiredState) -> int | None:
+        """The window the publication of `version` starts, as things stand."""
+        assert self._schedule is not None
+        active = desired.active.steps if desired.active is not None else None
+        return self._schedule.on_publish(version, active).start_step
+
+    async def _start_beginning(self, version: int, actions: ScheduleActions) -> ScheduleActions:
+        label = self._starting(version, await self._fleet.desired())
+        if label is not None:
+            actions.error = await self._start(label)
+            actions.started_step = None if actions.error else label
+        return actions
 
     async def _start(self, label: int) -> str | None:
         """Start the window labelled `label` (it ends the hold); None, or why it did not start,
@@ -139,10 +171,10 @@ class ServerSchedule:
                 why = f"step {label} did not start: {e}"
                 break
         log.warning("global_profiler: %s", why)
-        await self._release()
+        await self.release()
         return why
 
-    async def _release(self) -> None:
+    async def release(self) -> None:
         """End the sync's hold on every replica and in the desired state."""
         async with self._fleet.lock:
             desired = await self._fleet.desired()

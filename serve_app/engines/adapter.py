@@ -4,9 +4,9 @@
 An adapter subclasses `EngineAdapter` (generation, which every engine has) and implements the
 protocol of each other capability its options class declares (`EngineOptions.capabilities`,
 docs/engines.md#capabilities): `Profiles`, `Pauses`, `LoadsPath`, `ReceivesCollective`,
-`AdoptsExternal`, `CallsEngine`, `Aborts`. The controller checks at construction that the two agree
-(`capability_gaps`), and refuses a call that needs a capability the engine lacks before any
-adapter method runs. The adapter reaches the controller only through `EngineHost`.
+`AdoptsExternal`, `CallsEngine`, `Aborts`, `TransfersThroughEngine`. The controller checks at
+construction that the two agree (`capability_gaps`), and refuses a call that needs a capability
+the engine lacks before any adapter method runs. The adapter reaches the controller only through `EngineHost`.
 """
 
 from __future__ import annotations
@@ -227,6 +227,43 @@ class Aborts(Protocol):
         the engine no longer runs is no error."""
 
 
+class TransferRefused(ValueError):
+    """A call of the engine's own weight-update group that this engine, as built, cannot take
+    (its text is the caller's answer)."""
+
+
+@runtime_checkable
+class TransfersThroughEngine(Protocol):
+    """`Capability.ENGINE_TRANSFER` (docs/design.md#engine-transfer): the engine's own
+    weight-update group, which a trainer drives through the app's HTTP routes as it drives the
+    engine's own server (vLLM's weight-transfer engine, SGLang's update group). The controller
+    holds generation from `transfer_begin` until the update is published: in between, the
+    engine's weights are partly loaded."""
+
+    def transfer_problem(self) -> str | None:
+        """Why this engine, as built, cannot join a trainer's group (None: it can)."""
+
+    async def transfer_init(self, body: dict[str, Any], rank_offset: int | None) -> None:
+        """Join the trainer's group as the engine's own API does with `body` (its fields, the
+        trainer's rendezvous among them), this engine's workers from rank `rank_offset` on
+        (None: `body` places them). ValueError: the engine refuses the fields."""
+
+    async def transfer_begin(self) -> None:
+        """Open one update (the engine's own update session)."""
+
+    async def transfer_send(self, body: dict[str, Any] | list[dict[str, Any]], first_worker: int) -> None:
+        """Receive one chunk of the update from the group and load it. `body`: the chunk's fields;
+        a list holds one entry per engine worker of the whole app, this engine's from index
+        `first_worker` on."""
+
+    async def transfer_end(self, version: int) -> None:
+        """Close the update, the engine's weights labelled `version` (what `reported_version`
+        reports from then on)."""
+
+    async def transfer_close(self, body: dict[str, Any]) -> None:
+        """Leave the trainer's group (`body`: the engine's own fields, e.g. the group's name)."""
+
+
 CAPABILITY_PROTOCOLS: dict[Capability, type] = {
     Capability.PROFILE: Profiles,
     Capability.PAUSE: Pauses,
@@ -235,6 +272,7 @@ CAPABILITY_PROTOCOLS: dict[Capability, type] = {
     Capability.ADOPT_EXTERNAL: AdoptsExternal,
     Capability.ENGINE_RPC: CallsEngine,
     Capability.ABORT: Aborts,
+    Capability.ENGINE_TRANSFER: TransfersThroughEngine,
 }
 """The protocol an adapter implements for each capability beyond generation."""
 

@@ -8,7 +8,7 @@ engine and what it lacks).
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from profiling.config import ProfileOptions, StrictModel, Tool
 
@@ -35,6 +35,10 @@ class Capability(StrEnum):
     ABORT = "abort"
     """End requests in flight early, each answering finish_reason abort with the tokens sampled so
     far: `/pause?mode=abort`, `/abort_requests`."""
+    ENGINE_TRANSFER = "engine_transfer"
+    """Join a trainer's weight-update group through the engine's own API, driven over HTTP as the
+    engine's own server is (vLLM's weight-transfer routes, SGLang's update-group routes), each
+    update one sync of the app (docs/design.md#engine-transfer)."""
 
 
 CAPABILITY_USE: dict[Capability, str] = {
@@ -46,8 +50,19 @@ CAPABILITY_USE: dict[Capability, str] = {
     Capability.ADOPT_EXTERNAL: "adopting weights the trainer moved itself (source: external)",
     Capability.ENGINE_RPC: "engine RPC (the app handle's engine_rpc)",
     Capability.ABORT: "ending requests in flight early (/pause?mode=abort, /abort_requests)",
+    Capability.ENGINE_TRANSFER: "the engine's own weight-update group over HTTP (vLLM's /init_weight_transfer_engine, "
+    "SGLang's /init_weights_update_group and what follows them)",
 }
 """What each capability lets a caller do, in the words of a refusal."""
+
+
+TransferDialect = Literal["vllm", "sglang"]
+"""Whose server routes drive an engine's own weight-update group (docs/design.md#engine-transfer)."""
+TRANSFER_ROUTES: dict[TransferDialect, str] = {
+    "vllm": "vLLM's /init_weight_transfer_engine, /start_weight_update, /update_weights, /finish_weight_update",
+    "sglang": "SGLang's /init_weights_update_group, /begin_weight_update, /update_weights_from_distributed, "
+    "/end_weight_update",
+}
 
 
 class CapabilityMissing(ValueError):
@@ -72,6 +87,26 @@ class EngineOptions(StrictModel):
     unsupported_sampling: ClassVar[dict[str, str]] = {}
     """Generation request fields this engine cannot honour, each with why: a request that sets
     one is refused (422 naming the field and the engine), never served with it dropped."""
+    transfer_dialect: ClassVar[TransferDialect | None] = None
+    """Whose routes drive this engine's own weight-update group (with `Capability.ENGINE_TRANSFER`);
+    None: it has none."""
+
+    @property
+    def transfer_backend(self) -> str | None:
+        """The backend the engines build their weight-update group with when they start, where the
+        engine fixes it then (vLLM's weight_transfer_config); None: none is fixed."""
+        return None
+
+    def transfer_refusal(self, dialect: TransferDialect) -> str | None:
+        """Why a trainer cannot drive the engines' own weight-update group through `dialect`'s
+        routes, as configured (None: it can)."""
+        if self.transfer_dialect is None or not self.has(Capability.ENGINE_TRANSFER):
+            why = f": {note}" if (note := self.lacks.get(Capability.ENGINE_TRANSFER)) else ""
+            return f"engine {self.engine} has no weight-update group of its own to join{why}"
+        if dialect != self.transfer_dialect:
+            routes = TRANSFER_ROUTES[self.transfer_dialect]
+            return f"engine {self.engine}'s weight-update group is driven through {routes}, not {dialect}'s routes"
+        return None
 
     @classmethod
     def has(cls, capability: Capability) -> bool:

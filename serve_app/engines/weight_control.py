@@ -23,6 +23,8 @@ from serve_app.engines.adapter import (
     LoadsWeights,
     PassCounts,
     ReceivesCollective,
+    TransferRefused,
+    TransfersThroughEngine,
     as_capability,
 )
 from serve_app.engines.admission_hold import AdmissionHold
@@ -141,6 +143,46 @@ class WeightControl:
     async def engine_rpc(self, method: str, *args: object, **kwargs: object) -> object:
         """Call a method of the engine's own API (vLLM: its AsyncLLM's, e.g. collective_rpc)."""
         return await self._capability(Capability.ENGINE_RPC, CallsEngine).engine_rpc(method, *args, **kwargs)
+
+    # -- the engine's own weight-update group, driven over HTTP (docs/design.md#engine-transfer) --
+    async def transfer_init(self, body: dict[str, Any], rank_offset: int | None) -> None:
+        """Join the trainer's group (the engine's own init call with `body`), this engine's
+        workers from rank `rank_offset` on."""
+        await self._transfers().transfer_init(body, rank_offset)
+
+    async def transfer_begin(self) -> None:
+        """Open one update of the weights through the group; only while the sync's hold holds
+        the engine: no engine step may run on partly loaded weights."""
+        transfers = self._transfers()
+        if not self._admission.held:
+            raise TransferRefused(
+                "a weight update through the engine's own API opens only while generation is held (the app "
+                "holds it first); this replica is not held: start the update again"
+            )
+        await transfers.transfer_begin()
+
+    async def transfer_send(self, body: dict[str, Any] | list[dict[str, Any]], first_worker: int) -> None:
+        """Receive and load one chunk of the update; the hold's deadline waits for it."""
+        transfers = self._transfers()
+        async with self._admission.covering_load():
+            await transfers.transfer_send(body, first_worker)
+
+    async def transfer_end(self, version: int) -> None:
+        """Close the update with the engine's weights labelled `version`; the hold's deadline
+        waits for it (engines finish their reload here)."""
+        transfers = self._transfers()
+        async with self._admission.covering_load():
+            await transfers.transfer_end(version)
+
+    async def transfer_close(self, body: dict[str, Any]) -> None:
+        """Leave the trainer's group."""
+        await self._transfers().transfer_close(body)
+
+    def _transfers(self) -> TransfersThroughEngine:
+        transfers = self._capability(Capability.ENGINE_TRANSFER, TransfersThroughEngine)
+        if (why := transfers.transfer_problem()) is not None:
+            raise TransferRefused(why)
+        return transfers
 
     async def _switch(self, version: int, weights: Any, resume: bool) -> None:
         """Make `version` the served one between engine steps, then apply `resume`: the policy

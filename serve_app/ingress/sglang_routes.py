@@ -4,7 +4,10 @@ slime's `SGLangEngine`), with SGLang's shapes and the app's meanings, on every e
 /model_info, /get_server_info, /get_weight_version and /health_generate (no control token), and
 the control routes /update_weights_from_disk (the app's /weights/update of a path),
 /pause_generation and /continue_generation (the client pause), /flush_cache (the prefix cache)
-and SGLang's weight-group routes (refused: the app's collective is /weights/update's).
+and SGLang's update-group routes (/init_weights_update_group, /begin_weight_update,
+/update_weights_from_distributed, /end_weight_update, /destroy_weights_update_group), forwarded to
+every replica's SGLang on engine sglang, each update one sync of the app
+(docs/design.md#engine-transfer).
 
 They build on the OpenAI routes (the completion they run) and the vLLM routes (the server info
 they share)."""
@@ -13,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar, Literal
 
 from fastapi import Depends, Query
@@ -34,21 +37,30 @@ from serve_app.ingress.settings import current
 from serve_app.ingress.vllm_routes import ServerInfo, VllmRoutesMixin
 from serve_app.openai_api import CompletionChoice, CompletionRequest
 from serve_app.sglang_api import (
+    CHUNK_LOADED_TEXT,
     CONTINUED_TEXT,
-    DISTRIBUTED_REFUSAL,
     FLUSHED_TEXT,
+    GROUP_JOINED_TEXT,
+    GROUP_LEFT_TEXT,
     LOADED_TEXT,
     NOT_FLUSHED_TEXT,
     PAUSED_TEXT,
+    SESSION_TEXT,
+    BeginWeightUpdate,
     ContinueGeneration,
+    DestroyWeightsUpdateGroup,
+    EndWeightUpdate,
+    InitWeightsUpdateGroup,
     ModelInfo,
     PauseGeneration,
     SglangGenerateRequest,
     SglangGenerateResult,
     SglangResult,
     SglangStatus,
+    SglangUpdateResult,
     UpdateWeightsFromDisk,
     UpdateWeightsFromDiskResponse,
+    UpdateWeightsFromDistributed,
     WeightVersion,
     sglang_pause_mode,
     sglang_results,
@@ -74,7 +86,12 @@ _GENERATE_ERRORS: dict[int | str, dict[str, Any]] = {
     503: {"model": ErrorResponse, "description": "Queue full or no replica running; retry after Retry-After."},
 }
 _SGLANG_REFUSAL: dict[int | str, dict[str, Any]] = {
-    400: {"model": SglangResult, "description": "Refused: `success` false and why (SGLang's shape)."}
+    400: {
+        "model": SglangResult,
+        "description": "Not done: `success` false and why (SGLang's shape): the engine is not SGLang, the call "
+        "is out of order (no group, no update open), a version not newer than the served one, or a replica's "
+        "SGLang refused or failed (each named).",
+    }
 }
 
 
@@ -119,13 +136,39 @@ class SglangRoutesMixin(OpenAIRoutesMixin, VllmRoutesMixin):
             tags=_TAGS,
         ),
         "init_weights_update_group": lambda app: app.post(
-            "/init_weights_update_group", dependencies=_CONTROL, responses=_SGLANG_REFUSAL, tags=_TAGS
+            "/init_weights_update_group",
+            dependencies=_CONTROL,
+            response_model=SglangResult,
+            responses=_SGLANG_REFUSAL,
+            tags=_TAGS,
+        ),
+        "begin_weight_update": lambda app: app.post(
+            "/begin_weight_update",
+            dependencies=_CONTROL,
+            response_model=SglangResult,
+            responses=_SGLANG_REFUSAL,
+            tags=_TAGS,
         ),
         "update_weights_from_distributed": lambda app: app.post(
-            "/update_weights_from_distributed", dependencies=_CONTROL, responses=_SGLANG_REFUSAL, tags=_TAGS
+            "/update_weights_from_distributed",
+            dependencies=_CONTROL,
+            response_model=SglangResult,
+            responses=_SGLANG_REFUSAL,
+            tags=_TAGS,
+        ),
+        "end_weight_update": lambda app: app.post(
+            "/end_weight_update",
+            dependencies=_CONTROL,
+            response_model=SglangUpdateResult,
+            responses=_SGLANG_REFUSAL,
+            tags=_TAGS,
         ),
         "destroy_weights_update_group": lambda app: app.post(
-            "/destroy_weights_update_group", dependencies=_CONTROL, responses=_SGLANG_REFUSAL, tags=_TAGS
+            "/destroy_weights_update_group",
+            dependencies=_CONTROL,
+            response_model=SglangResult,
+            responses=_SGLANG_REFUSAL,
+            tags=_TAGS,
         ),
     }
 
@@ -248,18 +291,69 @@ class SglangRoutesMixin(OpenAIRoutesMixin, VllmRoutesMixin):
                 return PlainTextResponse(text, status_code=400)
             await asyncio.sleep(FLUSH_RETRY_S)
 
-    async def init_weights_update_group(self) -> JSONResponse:
-        """Refused (SGLang's 400): the app does not join a trainer's NCCL group; its own collective
-        is `POST /weights/update` with source collective."""
-        return _refused(DISTRIBUTED_REFUSAL)
+    async def init_weights_update_group(self, body: InitWeightsUpdateGroup) -> JSONResponse:
+        """Every replica's SGLang joins the trainer's group (SGLang's fields), answering once every
+        one has joined: the trainer joins the same rendezvous meanwhile. The app stands for one
+        SGLang server whose TP ranks are every replica's in turn, from `rank_offset` on
+        (docs/sglang.md#the-update-group-over-http)."""
+        return await self._sglang_transfer(
+            GROUP_JOINED_TEXT,
+            lambda: self.controller.transfer_init.remote(body.engine_body(), body.rank_offset, body.world_size),
+        )
 
-    async def update_weights_from_distributed(self) -> JSONResponse:
-        """Refused (SGLang's 400), as /init_weights_update_group."""
-        return _refused(DISTRIBUTED_REFUSAL)
+    async def begin_weight_update(self, body: BeginWeightUpdate | None = None) -> JSONResponse:
+        """Open one update on every replica's SGLang. It is the sync's stop: the app's own schedule
+        stops the window the update ends, and generation is held until the update is published."""
+        return await self._sglang_transfer(SESSION_TEXT, self.controller.transfer_begin.remote)
 
-    async def destroy_weights_update_group(self) -> JSONResponse:
-        """Refused (SGLang's 400), as /init_weights_update_group."""
-        return _refused(DISTRIBUTED_REFUSAL)
+    async def update_weights_from_distributed(self, body: UpdateWeightsFromDistributed) -> JSONResponse:
+        """One chunk of the open update into every replica's SGLang at once, each receiving the
+        trainer's broadcast. `weight_version` names the version the update publishes at its end;
+        `abort_all_requests` ends the requests in flight first, on an engine that can abort."""
+        if (why := self.engine_options.transfer_refusal("sglang")) is not None:
+            return _refused(why)
+        if body.abort_all_requests and self.engine_options.has(Capability.ABORT):
+            await self.controller.abort_requests.remote(None)
+        return await self._sglang_transfer(
+            CHUNK_LOADED_TEXT,
+            lambda: self.controller.transfer_send.remote(body.engine_body(), body.weight_version),
+        )
+
+    async def end_weight_update(self, body: EndWeightUpdate | None = None) -> JSONResponse:
+        """Close the update on every replica's SGLang and publish it as the version a chunk named
+        (default: the served version + 1), once every replica reports it, as `/weights/update` with
+        source external does; the app's own schedule then starts the window beginning there,
+        before generation resumes."""
+        if (why := self.engine_options.transfer_refusal("sglang")) is not None:
+            return _refused(why)
+        try:
+            done: UpdateWeightsResponse = await self.controller.transfer_end.remote(None)
+        except ControlError as e:
+            return _refused(current().redact(e.detail))
+        answer = SglangUpdateResult(
+            success=True,
+            message=f"{SESSION_TEXT} Weight version updated to {version_label(done.version)}.",
+            update=done,
+        )
+        return JSONResponse(answer.model_dump(mode="json"))
+
+    async def destroy_weights_update_group(self, body: DestroyWeightsUpdateGroup | None = None) -> JSONResponse:
+        """Every replica's SGLang leaves the trainer's group (not during an update)."""
+        group = body or DestroyWeightsUpdateGroup()
+        return await self._sglang_transfer(
+            GROUP_LEFT_TEXT, lambda: self.controller.transfer_close.remote(group.model_dump())
+        )
+
+    async def _sglang_transfer(self, done: str, call: Callable[[], Awaitable[Any]]) -> JSONResponse:
+        """`call` to the controller, answered in SGLang's shape: `done` with success, or a 400 with
+        why (the engine is not SGLang, or the app's refusal)."""
+        if (why := self.engine_options.transfer_refusal("sglang")) is not None:
+            return _refused(why)
+        try:
+            await call()
+        except ControlError as e:
+            return _refused(current().redact(e.detail))
+        return JSONResponse(SglangResult(success=True, message=done).model_dump())
 
 
 def _not_loaded(why: str) -> JSONResponse:

@@ -3,7 +3,8 @@
 /get_world_size, /server_info, /is_paused and /weight_info (read-only), /tokenize and /detokenize
 (the served model's tokenizer, on a replica, as generation uses it), /reset_prefix_cache, /pause,
 /resume, /abort_requests and /update_weight_version (control routes); vLLM's weight-transfer
-routes, refused (the app has no weight-transfer engine), with prime-rl's `/update_weights
+routes, forwarded to every replica's vLLM weight-transfer engine where the engines have one (each
+update one sync of the app: docs/design.md#engine-transfer), with prime-rl's `/update_weights
 {weight_dir}`, a checkpoint load.
 
 vLLM answers for one server: its workers (tensor x pipeline parallel) and its data-parallel
@@ -30,6 +31,7 @@ from serve_app.api import (
     ErrorResponse,
     IsPausedResponse,
     PauseResponse,
+    ReplicaReport,
     ResetPrefixCacheResponse,
     ResumeResponse,
     StatusResponse,
@@ -55,15 +57,21 @@ _PAUSE_ERRORS: dict[int | str, dict[str, Any]] = {
     422: {"model": ErrorResponse, "description": "An engine that cannot abort (mode=abort) or pause (mode=keep)."},
     503: {"model": ErrorResponse, "description": "A replica did not carry out the call (each named)."},
 }
-_NO_TRANSFER_ENGINE: dict[int | str, dict[str, Any]] = {
-    422: {"model": ErrorResponse, "description": "Always: the app has no vLLM weight-transfer engine."}
+_TRANSFER_ERRORS: dict[int | str, dict[str, Any]] = {
+    409: {
+        "model": ErrorResponse,
+        "description": "Out of order (no group, no update open, one open already, the replicas changed since the "
+        "group formed, the update given up after hold_timeout_s), or a version not newer than the served one.",
+    },
+    422: {
+        "model": ErrorResponse,
+        "description": "The engines have no vLLM weight-transfer engine (engine vllm without "
+        "engine_args.weight_transfer_config, or another engine), or the call's fields are refused.",
+    },
+    503: {"model": ErrorResponse, "description": "A replica's engine did not carry out the call (each named)."},
 }
-NO_TRANSFER_ENGINE = (
-    "Weight transfer not configured. Please set weight_transfer_config to enable weight transfer. (vLLM's words: "
-    "this app has no vLLM weight-transfer engine; weights move through POST /weights/update, from a checkpoint "
-    "under weights_dir, through the app's own collective, or moved by the trainer itself: "
-    "docs/design.md#weight-transfer)"
-)
+NOT_CONFIGURED = "Weight transfer not configured. Please set weight_transfer_config to enable weight transfer."
+"""vLLM's answer to a weight-transfer call where the engine has no weight-transfer engine."""
 _TOKENIZE_ERRORS: dict[int | str, dict[str, Any]] = {
     404: {"model": ErrorResponse, "description": "The request names a model this app does not serve."},
     422: {"model": ErrorResponse, "description": "A field out of range, or a token id the model cannot embed."},
@@ -123,9 +131,52 @@ class ServerInfo(BaseModel):
     """SGLang's: here the app's own version."""
 
 
+class InitWeightTransfer(StrictModel):
+    """`/init_weight_transfer_engine`: the init fields of the engines' weight-transfer backend."""
+
+    init_info: dict[str, Any]
+    """As vLLM's backend takes them (nccl, rollout_gloo: master_address, master_port, rank_offset,
+    world_size, ...). `rank_offset` is where the app's engine workers start in the trainer's group;
+    each replica is given its own (docs/engines.md#vllm-weight-transfer-routes)."""
+
+    @model_validator(mode="after")
+    def _ranks_are_numbers(self) -> InitWeightTransfer:
+        for key in ("rank_offset", "world_size"):
+            value = self.init_info.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ValueError(f"init_info.{key} must be a non-negative integer, not {value!r}")
+        return self
+
+    def rank(self, key: str) -> int | None:
+        value = self.init_info.get(key)
+        return value if isinstance(value, int) else None
+
+
+class FinishWeightUpdate(StrictModel):
+    """`/finish_weight_update`."""
+
+    weight_version: str | None = Field(None, min_length=1, max_length=64)
+    """The version the update publishes, as vLLM labels it ("<k>"); default: the served version + 1."""
+
+
+class TransferAnswer(BaseModel):
+    """vLLM's answer (`message`), with each replica's report."""
+
+    message: str
+    replicas: list[ReplicaReport] = Field(default_factory=list)
+
+
+class WeightUpdateFinished(BaseModel):
+    """vLLM's answer (`message`), with the publication of the update's version (as
+    `/weights/update` answers it, the app's own schedule's calls included)."""
+
+    message: Literal["Weight update finished"] = "Weight update finished"
+    update: UpdateWeightsResponse
+
+
 class UpdateWeightsBody(StrictModel):
-    """`/update_weights`: vLLM's `{update_info}` (a chunk for its weight-transfer engine: refused,
-    the app has none) or prime-rl's `{weight_dir}` (a checkpoint directory to load)."""
+    """`/update_weights`: vLLM's `{update_info}` (a chunk for the engines' weight-transfer
+    engine) or prime-rl's `{weight_dir}` (a checkpoint directory to load)."""
 
     update_info: dict[str, Any] | list[dict[str, Any]] | None = None
     weight_dir: str | None = Field(None, min_length=1)
@@ -189,28 +240,44 @@ class VllmRoutesMixin:
         "init_weight_transfer_engine": lambda app: app.post(
             "/init_weight_transfer_engine",
             dependencies=[Depends(require_control_token)],
-            responses=_NO_TRANSFER_ENGINE,
+            responses=_TRANSFER_ERRORS,
             tags=["vllm"],
         ),
         "start_weight_update": lambda app: app.post(
             "/start_weight_update",
             dependencies=[Depends(require_control_token)],
-            responses=_NO_TRANSFER_ENGINE,
+            responses=_TRANSFER_ERRORS,
+            tags=["vllm"],
+        ),
+        "start_draft_weight_update": lambda app: app.post(
+            "/start_draft_weight_update",
+            dependencies=[Depends(require_control_token)],
+            responses={422: {"model": ErrorResponse, "description": "Always: the app serves no draft model."}},
             tags=["vllm"],
         ),
         "update_weights_by_body": lambda app: app.post(
             "/update_weights",
             dependencies=[Depends(require_control_token)],
             responses={
-                409: {"model": ErrorResponse},
-                422: {"model": ErrorResponse, "description": "`update_info`, or a checkpoint the app cannot load."},
+                **_TRANSFER_ERRORS,
+                422: {
+                    "model": ErrorResponse,
+                    "description": "`update_info` where the engines have no weight-transfer engine, or a checkpoint "
+                    "the app cannot load.",
+                },
             },
             tags=["vllm"],
         ),
         "finish_weight_update": lambda app: app.post(
             "/finish_weight_update",
             dependencies=[Depends(require_control_token)],
-            responses=_NO_TRANSFER_ENGINE,
+            responses=_TRANSFER_ERRORS,
+            tags=["vllm"],
+        ),
+        "shutdown_weight_transfer_engine": lambda app: app.post(
+            "/shutdown_weight_transfer_engine",
+            dependencies=[Depends(require_control_token)],
+            responses=_TRANSFER_ERRORS,
             tags=["vllm"],
         ),
     }
@@ -240,24 +307,59 @@ class VllmRoutesMixin:
             )
         return WeightVersionSet(message=f"Weight version updated to {body.new_version}", new_version=body.new_version)
 
-    async def init_weight_transfer_engine(self) -> None:
-        """Refused (422): vLLM's answer without a weight-transfer engine, and where weights move here."""
-        raise Refused(NO_TRANSFER_ENGINE)
+    async def init_weight_transfer_engine(self, body: InitWeightTransfer) -> TransferAnswer:
+        """Every replica's vLLM joins the trainer's group through its weight-transfer engine
+        (`init_info` as vLLM's backend takes it), answering once every one has joined: the
+        trainer joins the same rendezvous meanwhile. The app stands for one vLLM server whose
+        workers are every replica's in turn, from `rank_offset` on (docs/engines.md#vllm-weight-transfer-routes)."""
+        self._vllm_transfer()
+        reports = await self.controller.transfer_init.remote(
+            body.init_info, body.rank("rank_offset"), body.rank("world_size")
+        )
+        return TransferAnswer(message="Weight transfer initialized", replicas=reports)
 
-    async def start_weight_update(self) -> None:
-        """Refused (422), as /init_weight_transfer_engine."""
-        raise Refused(NO_TRANSFER_ENGINE)
+    async def start_weight_update(self) -> TransferAnswer:
+        """Open one update on every replica's engine. It is the sync's stop: the app's own
+        schedule stops the window the update ends, and generation is held until the update is
+        published (the weights are partly loaded meanwhile)."""
+        self._vllm_transfer()
+        reports = await self.controller.transfer_begin.remote()
+        return TransferAnswer(message="Weight update started", replicas=reports)
 
-    async def finish_weight_update(self) -> None:
-        """Refused (422), as /init_weight_transfer_engine."""
-        raise Refused(NO_TRANSFER_ENGINE)
+    async def start_draft_weight_update(self) -> None:
+        """Refused (422): the app's engines serve no speculative draft model."""
+        raise Refused(
+            "the app's engines serve no speculative draft model, so there are no draft weights to update: "
+            "use /start_weight_update"
+        )
 
-    async def update_weights_by_body(self, body: UpdateWeightsBody) -> WeightsLoaded:
-        """prime-rl's `{weight_dir}`: publish that checkpoint as the served version + 1, as
-        `/weights/update` with source path does (its checks, conflicts and statuses apply).
-        vLLM's `{update_info}`: refused (422), as /init_weight_transfer_engine."""
+    async def finish_weight_update(self, body: FinishWeightUpdate | None = None) -> WeightUpdateFinished:
+        """Close the update on every replica's engine and publish it as version `weight_version`
+        (default: the served version + 1) once every replica reports it, as `/weights/update`
+        with source external does; the app's own schedule then starts the window beginning there,
+        before generation resumes."""
+        self._vllm_transfer()
+        done: UpdateWeightsResponse = await self.controller.transfer_end.remote(
+            (body or FinishWeightUpdate()).weight_version
+        )
+        return WeightUpdateFinished(update=done)
+
+    async def shutdown_weight_transfer_engine(self) -> TransferAnswer:
+        """Every replica's engine leaves the trainer's group (not during an update: 409)."""
+        self._vllm_transfer()
+        reports = await self.controller.transfer_close.remote({})
+        return TransferAnswer(message="Weight transfer shut down", replicas=reports)
+
+    async def update_weights_by_body(self, body: UpdateWeightsBody) -> WeightsLoaded | TransferAnswer:
+        """vLLM's `{update_info}`: one chunk of the open update into every replica's engine at
+        once, each receiving the trainer's broadcast (a list: one entry per engine worker of the
+        app, as GET /get_world_size counts them). prime-rl's `{weight_dir}`: publish that
+        checkpoint as the served version + 1, as `/weights/update` with source path does (its
+        checks, conflicts and statuses apply)."""
         if body.weight_dir is None:
-            raise Refused(NO_TRANSFER_ENGINE)
+            self._vllm_transfer()
+            reports = await self.controller.transfer_send.remote(body.update_info, None)
+            return TransferAnswer(message="Weights updated", replicas=reports)
         desired: DesiredState = await self.controller.desired_state.remote()
         try:
             request = UpdateWeightsRequest(version=desired.weight_version + 1, path=body.weight_dir)
@@ -265,6 +367,12 @@ class VllmRoutesMixin:
             raise Refused(describe_validation_error(e)) from None
         done: UpdateWeightsResponse = await self.controller.update_weights.remote(request)
         return WeightsLoaded(update=done)
+
+    def _vllm_transfer(self) -> None:
+        """Refused (422, in vLLM's words and the app's) unless the replicas' engines have a
+        weight-transfer engine driven through vLLM's routes."""
+        if (why := self.engine_options.transfer_refusal("vllm")) is not None:
+            raise Refused(f"{NOT_CONFIGURED} ({why}; or move the weights through POST /weights/update)")
 
     async def pause(self, mode: ClientPauseMode = "abort", clear_cache: bool = True) -> PauseResponse:
         """Pause generation on every replica until `/resume`, or until client_pause_max_s passes
@@ -299,10 +407,10 @@ class VllmRoutesMixin:
         return WorldSize(world_size=sum(ranks) if include_dp else max(ranks))
 
     async def server_info(self, config_format: Literal["text", "json"] = "text") -> ServerInfo:
-        """The served model and the parallel layout under vLLM's config keys; no weight-transfer
-        engine (`weight_transfer_config` null): weights move through `/weights/update`, so a
-        client that asks for vLLM's NCCL weight-transfer engine is told it is not there. Beside
-        them, SGLang's keys (`model_path`, `tp_size`, `dp_size`, `weight_version`, ...)."""
+        """The served model and the parallel layout under vLLM's config keys, with the engines'
+        `weight_transfer_config` (null where they have none: a client that asks for vLLM's
+        weight-transfer engine is told it is not there). Beside them, SGLang's keys
+        (`model_path`, `tp_size`, `dp_size`, `weight_version`, ...)."""
         ranks = await self._ranks()
         desired: DesiredState = await self.controller.desired_state.remote()
         config = {
@@ -312,7 +420,7 @@ class VllmRoutesMixin:
                 "world_size": max(ranks),
                 "world_size_across_dp": sum(ranks),
             },
-            "weight_transfer_config": None,
+            "weight_transfer_config": self._transfer_config(),
             "engine": self.engine_options.engine,
         }
         return ServerInfo(
@@ -356,6 +464,12 @@ class VllmRoutesMixin:
             reset_running_requests = reset_running_requests or body.reset_running_requests
             reset_external = reset_external or body.reset_external
         return await self.controller.reset_prefix_cache.remote(reset_running_requests, reset_external)
+
+    def _transfer_config(self) -> dict[str, str] | None:
+        """vLLM's `weight_transfer_config` of the replicas' engines (None: they have none)."""
+        if self.engine_options.transfer_refusal("vllm") is not None:
+            return None
+        return {"backend": self.engine_options.transfer_backend or ""}
 
     async def _ranks(self) -> list[int]:
         """Each running replica's engine workers (one where a replica does not say)."""

@@ -18,6 +18,7 @@ from profiling.session import SessionConflict, SessionSpec
 from serve_app.admission import GenerationGate
 from serve_app.api import ClientPauseMode, EngineRpcReport, Outcome, PerReplica, ReplicaReport
 from serve_app.config import AppArgs
+from serve_app.engines.adapter import TransferRefused
 from serve_app.engines.controller import EngineController
 from serve_app.engines.weight_control import AdoptConflict, AdoptRefused
 from serve_app.weights.collective_schema import CollectiveTransfer
@@ -33,6 +34,7 @@ OWN_ERRORS: tuple[tuple[type[Exception], Outcome], ...] = (
     (SessionConflict, Outcome.CONFLICT),
     (AdoptConflict, Outcome.CONFLICT),
     (AdoptRefused, Outcome.REFUSED),
+    (TransferRefused, Outcome.REFUSED),
     (WeightsError, Outcome.FAILED),
 )
 """Errors whose text is written for the user, with the outcome each one means."""
@@ -215,6 +217,52 @@ class ControlPlane:
         return await self._control(
             f"engine rpc {method} failed", call(), lambda result: {"result": result}, kind=EngineRpcReport
         )
+
+    # -- the engine's own weight-update group, driven over HTTP (docs/design.md#engine-transfer) --
+    async def transfer_init(self, body: dict[str, Any], rank_offsets: dict[str, int] | None) -> ReplicaReport:
+        """Join the trainer's group, this replica's engine workers from rank
+        `rank_offsets[<this replica>]` on (None: `body` places them)."""
+
+        async def init() -> None:
+            offset = None
+            if rank_offsets is not None:
+                if self.replica_id not in rank_offsets:
+                    raise TransferRefused(
+                        f"replica {self.replica_id} started after the trainer's group was formed, so it has no rank "
+                        "in it: form the group again"
+                    )
+                offset = rank_offsets[self.replica_id]
+            await self.engine.transfer_init(body, offset)
+
+        return await self._control("joining the trainer's weight-update group failed", init())
+
+    async def transfer_begin(self) -> ReplicaReport:
+        """Open one update of the weights through the group (generation is held)."""
+        return await self._control("opening the weight update failed", self.engine.transfer_begin())
+
+    async def transfer_send(
+        self, body: dict[str, Any] | list[dict[str, Any]], first_workers: dict[str, int]
+    ) -> ReplicaReport:
+        """Receive and load one chunk (`first_workers[<this replica>]`: where this replica's
+        workers start among the app's, for a chunk given per worker)."""
+
+        async def send() -> None:
+            if self.replica_id not in first_workers:
+                raise TransferRefused(
+                    f"replica {self.replica_id} is not a member of the trainer's weight-update group (it started "
+                    "after the group was formed): form the group again"
+                )
+            await self.engine.transfer_send(body, first_workers[self.replica_id])
+
+        return await self._control("receiving the weights failed", send())
+
+    async def transfer_end(self, version: int) -> ReplicaReport:
+        """Close the update, the engine's weights labelled `version`."""
+        return await self._control(f"closing the update to version {version} failed", self.engine.transfer_end(version))
+
+    async def transfer_close(self, body: dict[str, Any]) -> ReplicaReport:
+        """Leave the trainer's group."""
+        return await self._control("leaving the trainer's weight-update group failed", self.engine.transfer_close(body))
 
     async def reset_prefix_cache(self, reset_running_requests: bool, reset_external: bool) -> ReplicaReport:
         """Empty the engine's prefix cache; the engine's refusal is the report's error."""

@@ -57,7 +57,7 @@ from profiling.session import SessionSpec
 from profiling.step_ranges import count_engine_steps
 from profiling.store import atomic_write_text
 from serve_app.config import AppArgs
-from serve_app.engines.adapter import EngineAdapter
+from serve_app.engines.adapter import EngineAdapter, TransferRefused
 from serve_app.engines.engine_profiler import EngineProfiler, EngineTrace
 from serve_app.engines.generation import GenerateDelta, GenerateRequest, TokenLogprobs, WeightVersionSpan
 from serve_app.engines.sglang.client import (
@@ -581,6 +581,29 @@ class SglangEngine(EngineAdapter):
                 f"SGLang at {self._client.url} refused {method}: {answer.message}", status=resp.status_code
             )
         return resp.json()
+
+    # -- SGLang's update group, driven over HTTP (docs/sglang.md#the-update-group-over-http) -------
+    def transfer_problem(self) -> str | None:
+        return None
+
+    async def transfer_init(self, body: dict[str, Any], rank_offset: int | None) -> None:
+        placed = body if rank_offset is None else {**body, "rank_offset": rank_offset}
+        await self.engine_rpc("init_weights_update_group", **placed)
+
+    async def transfer_begin(self) -> None:
+        await self.engine_rpc("begin_weight_update")
+
+    async def transfer_send(self, body: dict[str, Any] | list[dict[str, Any]], first_worker: int) -> None:
+        if isinstance(body, list):
+            raise TransferRefused("SGLang's update_weights_from_distributed takes one body for every rank, not a list")
+        await self.engine_rpc("update_weights_from_distributed", **body)
+
+    async def transfer_end(self, version: int) -> None:
+        await self.engine_rpc("end_weight_update")
+        await self.engine_rpc("update_weight_version", new_version=version)
+
+    async def transfer_close(self, body: dict[str, Any]) -> None:
+        await self.engine_rpc("destroy_weights_update_group", **body)
 
     def healthy(self) -> bool:
         """False once the launched server has exited, or while the last call could not reach the

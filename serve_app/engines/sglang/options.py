@@ -19,6 +19,7 @@ class SglangOptions(EngineOptions):
     engine = "sglang"
     implementation = "serve_app.engines.sglang.engine:SglangEngine"
     capabilities = frozenset(Capability) - {Capability.RECEIVE_COLLECTIVE}
+    transfer_dialect = "sglang"
     lacks: ClassVar[dict[Capability, str]] = {
         # SGLang loads what update_weights_from_distributed receives at once, so it cannot stage a
         # broadcast until every replica has it (docs/design.md#weights-by-collective).

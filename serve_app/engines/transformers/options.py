@@ -27,7 +27,9 @@ class TransformersOptions(EngineOptions):
     )
     lacks: ClassVar[dict[Capability, str]] = {
         Capability.ADOPT_EXTERNAL: "it keeps no weight version of its own, so it cannot confirm that the "
-        "trainer moved the weights into it; publish through source path or collective"
+        "trainer moved the weights into it; publish through source path or collective",
+        Capability.ENGINE_TRANSFER: "it has no weight-update API of its own to join a trainer's group with; "
+        "publish through POST /weights/update (a path, or the app's own collective)",
     }
     tools = ("torch", "npu", "nsys")
 

@@ -46,7 +46,7 @@ from serve_app.config import AppArgs
 from serve_app.engines.adapter import EngineAdapter, PassCounts
 from serve_app.engines.engine_profiler import EngineProfiler
 from serve_app.engines.generation import GenerateDelta, GenerateRequest, SamplingSpec, TokenLogprobs, WeightVersionSpan
-from serve_app.engines.vllm.options import VllmOptions
+from serve_app.engines.vllm.options import NO_WEIGHT_TRANSFER_ENGINE, VllmOptions
 from serve_app.engines.vllm.worker import EXTENSION, WorkerExport, WorkerStop, export_record
 from serve_app.weights.checkpoint import StateDict, stage_weights
 from serve_app.weights.collective_schema import CollectiveTransfer
@@ -379,6 +379,7 @@ class VllmEngine(EngineAdapter):
                 **{"disable_log_stats": True, **opts.engine_args},
             )
         )
+        self._transfer_backend = opts.transfer_backend
         self._passes: PassCounts | None = None
         # The prefix cache holds KV of weights no longer served (an adopted version's reset failed).
         self._stale_cache = False
@@ -549,6 +550,34 @@ class VllmEngine(EngineAdapter):
             )
         call_args, call_kwargs = _rpc_call(method, args, kwargs)
         return await getattr(self._llm, method)(*call_args, **call_kwargs)
+
+    # -- vLLM's weight-transfer engine, driven over HTTP (docs/engines.md#vllm-weight-transfer-routes) --
+    def transfer_problem(self) -> str | None:
+        if self._transfer_backend is None:
+            return NO_WEIGHT_TRANSFER_ENGINE
+        return None
+
+    async def transfer_init(self, body: dict[str, Any], rank_offset: int | None) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        info = body if rank_offset is None else {**body, "rank_offset": rank_offset}
+        await self._llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info))
+
+    async def transfer_begin(self) -> None:
+        await self._llm.start_weight_update()
+
+    async def transfer_send(self, body: dict[str, Any] | list[dict[str, Any]], first_worker: int) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        # A list: one entry per worker of the app; this engine's workers take theirs, by their own rank.
+        info = body[first_worker : first_worker + self.transfer_ranks] if isinstance(body, list) else body
+        await self._llm.update_weights(WeightTransferUpdateRequest(update_info=info))
+
+    async def transfer_end(self, version: int) -> None:
+        await self._llm.finish_weight_update(str(version))
+
+    async def transfer_close(self, body: dict[str, Any]) -> None:
+        await self._llm.shutdown_weight_transfer_engine()
 
     def pass_counts(self) -> PassCounts | None:
         # The workers' counts as of the last weight load (they count in another process): exact

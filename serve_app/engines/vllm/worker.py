@@ -30,6 +30,7 @@ prefix, since vLLM refuses an extension whose attribute names clash with the wor
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -50,6 +51,13 @@ from serve_app.weights.collective_schema import CollectiveTransfer
 
 EXTENSION = f"{__name__}.ProfilingWorkerExtension"
 """vLLM's `worker_extension_cls` for this extension."""
+
+if importlib.util.find_spec("vllm") is not None:
+    # vLLM imports this module in each worker before the worker builds its weight-transfer
+    # engine, so `backend: rollout_gloo` is known there (the replica imports it too: harmless).
+    from serve_app.engines.vllm.gloo_transfer import register
+
+    register()
 
 
 class WorkerExport(BaseModel):
