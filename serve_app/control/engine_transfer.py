@@ -14,8 +14,9 @@ engine's own server is driven (vLLM's /init_weight_transfer_engine, /start_weigh
   external does (every replica must report it), and the schedule starts the next window before
   generation resumes.
 * The hold lasts while calls come: hold_timeout_s after the last one with no further call, the
-  update is given up (the engines may hold partly loaded weights, as on the engine's own server
-  when its trainer dies mid-update: publish a version again).
+  update is given up: before generation resumes, every engine closes its update still labelled
+  with the served version (vLLM's layerwise reload puts back the served tensors of every layer no
+  chunk reached), and the trainer's next call is told.
 """
 
 from __future__ import annotations
@@ -69,6 +70,9 @@ class EngineTransfer:
         self._members: dict[str, int] | None = None
         """The group's replicas, each with the index of its first engine worker among the app's."""
         self._update: _Update | None = None
+        self._given_up = False
+        """An update was given up since the trainer's last call: its next call is told so."""
+        fleet.before_hold_expires = self._give_up
 
     def refuse_while_open(self, what: str) -> None:
         """Conflict (409) while an update through the engines' API is in progress: `what` would
@@ -116,19 +120,24 @@ class EngineTransfer:
             members = await self._live_members()
             if self._update is not None:
                 raise Conflict("a weight update is open already: finish it before starting another")
+            self._given_up = False
             desired = await self._fleet.desired()
             took_hold = not desired.paused
             stopped = await self._schedule.stop_ending(desired.weight_version + 1)
             if not (await self._fleet.desired()).paused:
                 await self._profile.hold()
-            reports = await self._covered("transfer_begin")
+            self._update = _Update(took_hold=took_hold, stopped_step=stopped)
             try:
+                reports = await self._covered("transfer_begin")
                 self._all_done(reports, members, "opened the weight update")
             except ControlError:
-                if took_hold:  # nothing changed: generation goes on, on the served version
+                # Nothing changed: the engines that opened close on the served version, and
+                # generation goes on.
+                self._update = None
+                await self._fleet.broadcast("transfer_end", desired.weight_version)
+                if took_hold:
                     await self._schedule.release()
                 raise
-            self._update = _Update(took_hold=took_hold, stopped_step=stopped)
             return reports
 
     async def send(self, body: ChunkBody, label: str | None) -> list[ReplicaReport]:
@@ -208,18 +217,31 @@ class EngineTransfer:
         return members
 
     async def _open(self) -> _Update:
-        """The update in progress; Conflict when none is, or when its hold ended (given up)."""
-        if self._update is None:
-            raise Conflict("no weight update is open: start one (/start_weight_update, /begin_weight_update) first")
-        if not (await self._fleet.desired()).paused:
-            self._update = None
-            log.warning("a weight update through the engines' API was given up: no call came within hold_timeout_s")
+        """The update in progress; Conflict when none is, or when it was given up."""
+        if self._update is None and self._given_up:
+            self._given_up = False
             raise Conflict(
                 f"the weight update was given up: no call came within hold_timeout_s ({self._args.hold_timeout_s:g} "
-                "s), so its hold ended and generation went on (the engines may hold partly loaded weights): start "
-                "the update again, or publish a version through /weights/update"
+                "s), so every engine closed it on the served version and generation went on: start the update again"
             )
+        if self._update is None:
+            raise Conflict("no weight update is open: start one (/start_weight_update, /begin_weight_update) first")
         return self._update
+
+    async def _give_up(self) -> None:
+        """The hold's deadline came with an update open (called under the fleet's lock, so no
+        call of the update runs meanwhile): every member closes it on the served version."""
+        if self._update is None:
+            return
+        self._update, self._given_up = None, True
+        served = (await self._fleet.desired()).weight_version
+        log.warning(
+            "a weight update through the engines' API was given up: no call came within hold_timeout_s; the engines "
+            "close it on version %d",
+            served,
+        )
+        reports = await self._fleet.broadcast("transfer_end", served)
+        self._all_done(reports, set(self._members or ()), f"closed the given-up update on version {served}")
 
     async def _version(self, label: str) -> int:
         """The app's version a label names, newer than the served one."""
@@ -238,6 +260,7 @@ class EngineTransfer:
         """`method` on every replica as a weight load runs: under the fleet's lock, so the hold's
         deadline cannot end it meanwhile, and the hold counting from its end."""
         async with self._fleet.lock:
+            await self._open()  # given up while this call waited for the lock
             reports = await self._fleet.broadcast(method, *args, timeout_s=timeout_s)
             desired = await self._fleet.desired()
             if desired.paused:

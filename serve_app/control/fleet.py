@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from ray.serve.exceptions import DeploymentUnavailableError
@@ -135,6 +136,9 @@ class Fleet:
         controller that restarts has none, and joiners copy from a peer replica instead)."""
         self.changes = 0
         """Counts publications of the desired state: a status read before the last one is stale."""
+        self.before_hold_expires: Callable[[], Awaitable[None]] | None = None
+        """Called under the lock when the hold's deadline ends it, before generation resumes
+        (an engine mid-update must close it first: control/engine_transfer.py)."""
 
     async def load(self, resume: bool) -> DesiredState:
         """Read the desired state from its durable record, once, before any call is served."""
@@ -181,6 +185,11 @@ class Fleet:
             state = await self.desired()
             if state.paused:
                 log.warning("admission hold expired without a weight update or start; the app no longer holds")
+                if self.before_hold_expires is not None:
+                    try:
+                        await self.before_hold_expires()
+                    except Exception:  # the hold ends anyway: it is what bounds a stalled caller
+                        log.exception("closing what the hold covered failed")
                 await self.publish(state.model_copy(update={"paused": False}))
 
     async def broadcast(self, method: str, *args: Any, timeout_s: float | None = None) -> list[ReplicaReport]:
