@@ -9,22 +9,20 @@ continues from version 2 and never sets SGLang's weight_version.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import httpx
-import psutil
 import pytest
 import torch
 from integ_util import complete_one, process_log, run_example_in_cluster, wait_complete_manifest
 from safetensors.torch import load_file
 from support.apps import deployed
+from support.fake_sglang import fake_servers, fake_sglang_options, served_weights
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO_ROOT / "docs" / "examples" / "byo_sglang_transfer.py"
-FAKE_SERVER = REPO_ROOT / "tests" / "fakes" / "fake_sglang_server.py"
 REPLICAS = 2
 
 
@@ -38,34 +36,9 @@ def sglang_app(ray_cluster, model_dir, tmp_path_factory):
         engine="sglang",
         num_replicas=REPLICAS,
         control_timeout_s=90.0,
-        sglang={
-            "server_command": [sys.executable, str(FAKE_SERVER)],
-            "server_args": ["--fake-strict-fields"],  # a misspelt field in the adapter's bodies fails
-            "startup_timeout_s": 180,
-            "request_timeout_s": 90,
-        },
+        sglang=fake_sglang_options(),
     ) as served:
         yield served
-
-
-def fake_server_urls(model_dir: Path) -> list[str]:
-    """The fake SGLang servers serving `model_dir` (launched by this module's replicas)."""
-    urls = []
-    for proc in psutil.process_iter(["cmdline"]):
-        cmd = proc.info["cmdline"] or []
-        if str(FAKE_SERVER) in cmd and str(model_dir) in cmd:
-            urls.append(f"http://{cmd[cmd.index('--host') + 1]}:{cmd[cmd.index('--port') + 1]}")
-    return urls
-
-
-def served_weights(url: str, names: list[str], sizes: dict[str, int]) -> dict[str, torch.Tensor]:
-    """The fake's weights, read with SGLang's /get_weights_by_name (flattened)."""
-    out = {}
-    for name in names:
-        answer = httpx.post(f"{url}/get_weights_by_name", json={"name": name, "truncate_size": sizes[name]}, timeout=60)
-        assert answer.status_code == 200, answer.text
-        out[name] = torch.tensor(answer.json())
-    return out
 
 
 def test_the_trainers_own_transfer_by_sglangs_distributed_update_is_profiled_and_served(
@@ -91,7 +64,7 @@ def test_the_trainers_own_transfer_by_sglangs_distributed_update_is_profiled_and
     # Every fake SGLang holds exactly the tensors the trainer broadcast.
     state = load_file(str(sent))
     names = sorted(state)
-    urls = fake_server_urls(model_dir)
+    urls = list(fake_servers(model_dir).values())
     assert len(urls) == REPLICAS, urls
     for url in urls:
         got = served_weights(url, names, {n: state[n].numel() for n in names})

@@ -6,7 +6,6 @@ SGLang's own num_steps cap, and the server processes ending with the app."""
 from __future__ import annotations
 
 import json
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -29,6 +28,7 @@ from integ_util import (
 from ray import serve
 from safetensors.torch import save_file
 from support.apps import deploy
+from support.fake_sglang import fake_servers, fake_sglang_options
 from support.traces import trace_events
 
 from serve_app.engines.sglang.trace_dialect import SGLANG_DIALECT
@@ -36,18 +36,12 @@ from serve_app.engines.sglang.trace_dialect import SGLANG_DIALECT
 pytestmark = pytest.mark.integration
 
 REPLICAS = 2
-FAKE_SERVER = Path(__file__).resolve().parents[1] / "fakes" / "fake_sglang_server.py"
 _deleted: set[str] = set()
 
 
 def fake_server_pids(model_dir: Path) -> set[int]:
     """The fake SGLang servers serving `model_dir` (this session's model: only this module's)."""
-    pids = set()
-    for proc in psutil.process_iter(["pid", "cmdline"]):
-        cmd = proc.info["cmdline"] or []
-        if str(FAKE_SERVER) in cmd and str(model_dir) in cmd:
-            pids.add(proc.info["pid"])
-    return pids
+    return set(fake_servers(model_dir))
 
 
 def _running(pid: int) -> bool:
@@ -65,13 +59,7 @@ def app(ray_cluster, model_dir, tmp_path_factory):
         tmp_path_factory.mktemp("sglangfake"),
         "sglangfake",
         engine="sglang",
-        sglang={
-            "server_command": [sys.executable, str(FAKE_SERVER)],
-            # Fake-only: reject request fields SGLang would silently ignore (a misspelt field).
-            "server_args": ["--fake-strict-fields"],
-            "startup_timeout_s": 180,
-            "request_timeout_s": 60,
-        },
+        sglang=fake_sglang_options(request_timeout_s=60),
     )
     try:
         yield served

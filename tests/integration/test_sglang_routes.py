@@ -155,8 +155,16 @@ def test_flush_health_and_the_weight_routes_the_app_does_not_serve(http):
         r = http.request(method, "/flush_cache")
         assert r.status_code == 200 and r.text.startswith("Cache flushed."), r.text
     assert http.get("/health_generate").status_code == 200
-    for route in ("/init_weights_update_group", "/update_weights_from_distributed", "/destroy_weights_update_group"):
-        r = http.post(route, json={})
+    chunk = {"names": ["lm_head.weight"], "dtypes": ["float32"], "shapes": [[1]]}
+    group = {"master_address": "127.0.0.1", "master_port": 29500, "rank_offset": 1, "world_size": 3}
+    for route, body in [
+        ("/init_weights_update_group", group),
+        ("/begin_weight_update", {}),
+        ("/update_weights_from_distributed", chunk),
+        ("/end_weight_update", {}),
+        ("/destroy_weights_update_group", {}),
+    ]:
+        r = http.post(route, json=body)
         assert r.status_code == 400 and r.json()["success"] is False, r.text
         assert "source collective" in r.json()["message"], r.text
     for route, body in [

@@ -51,8 +51,10 @@ def test_reference_covers_every_route_of_the_ingress():
         "GET /metrics",
         "POST /init_weight_transfer_engine",
         "POST /start_weight_update",
+        "POST /start_draft_weight_update",
         "POST /update_weights",
         "POST /finish_weight_update",
+        "POST /shutdown_weight_transfer_engine",
         "POST /generate",
         "GET /model_info",
         "GET /get_server_info",
@@ -64,7 +66,9 @@ def test_reference_covers_every_route_of_the_ingress():
         "GET /flush_cache",
         "POST /flush_cache",
         "POST /init_weights_update_group",
+        "POST /begin_weight_update",
         "POST /update_weights_from_distributed",
+        "POST /end_weight_update",
         "POST /destroy_weights_update_group",
     } <= routes
     page = openapi_doc.DOC.read_text()

@@ -26,10 +26,9 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
+from serve_app.engines.vllm.options import CPU_TRANSFER_BACKEND as BACKEND
 from serve_app.weights.plain_group import PlainGroup, receive_tensor
 
-BACKEND = "rollout_gloo"
-"""The `weight_transfer_config.backend` that selects this engine."""
 DEFAULT_TIMEOUT_S = 300.0
 
 
