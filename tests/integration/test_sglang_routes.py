@@ -166,7 +166,7 @@ def test_flush_health_and_the_weight_routes_the_app_does_not_serve(http):
     ]:
         r = http.post(route, json=body)
         assert r.status_code == 400 and r.json()["success"] is False, r.text
-        assert "source collective" in r.json()["message"], r.text
+        assert "POST /weights/update with source path or collective" in r.json()["message"], r.text
     for route, body in [
         ("/init_weight_transfer_engine", {"init_info": {}}),
         ("/start_weight_update", None),

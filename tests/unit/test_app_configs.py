@@ -59,6 +59,18 @@ def test_vllm_options_reject_unknown_keys():
             {"tiny_model": {"hidden_size": 100, "num_attention_heads": 3}},
             ["'args.tiny_model'", "multiple of num_attention_heads"],
         ),
+        (
+            {"engine": "vllm", "vllm": {"engine_args": {"weight_transfer_config": {"backend": "nccl"}}}},
+            ["'args.vllm'", "needs a CUDA GPU", "replica_num_gpus is 0", "rollout_gloo"],
+        ),
+        (
+            {"engine": "vllm", "vllm": {"engine_args": {"weight_transfer_config": {}}}},
+            ["'args.vllm'", "needs a CUDA GPU"],  # vLLM's default backend is nccl
+        ),
+        (
+            {"engine": "vllm", "vllm": {"engine_args": {"weight_transfer_config": "nccl"}}},
+            ["args.vllm.engine_args", "weight_transfer_config must be {backend: <name>}"],
+        ),
     ],
 )
 def test_each_cross_field_rule_is_refused_naming_its_keys(args, keys):
@@ -76,3 +88,15 @@ def test_the_engines_own_settings_and_a_recordable_profiler_are_accepted():
     )
     assert parse_args({"engine": "sglang", "num_replicas": 1, "sglang": {"url": "http://127.0.0.1:9"}}).sglang.url
     assert parse_args({"profiler": {"tool": "npu"}}).engine == "transformers"
+
+
+def test_the_engines_own_weight_transfer_is_configured_on_vllm_alone():
+    """Which routes a trainer may drive the engines' own group through (docs/engines.md#vllm-weight-transfer-routes)."""
+    gloo = {"engine": "vllm", "vllm": {"engine_args": {"weight_transfer_config": {"backend": "rollout_gloo"}}}}
+    assert parse_args(gloo).vllm.transfer_backend == "rollout_gloo"
+    assert parse_args(gloo).engine_options.transfer_refusal("vllm") is None
+    assert "not sglang's routes" in (parse_args(gloo).engine_options.transfer_refusal("sglang") or "")
+    gpu = {**gloo, "replica_num_gpus": 1, "vllm": {"engine_args": {"weight_transfer_config": {"backend": "nccl"}}}}
+    assert parse_args(gpu).vllm.transfer_backend == "nccl"
+    assert "weight_transfer_config" in (parse_args({"engine": "vllm"}).engine_options.transfer_refusal("vllm") or "")
+    assert "POST /weights/update" in (parse_args({}).engine_options.transfer_refusal("vllm") or "")

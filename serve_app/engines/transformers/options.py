@@ -28,8 +28,8 @@ class TransformersOptions(EngineOptions):
     lacks: ClassVar[dict[Capability, str]] = {
         Capability.ADOPT_EXTERNAL: "it keeps no weight version of its own, so it cannot confirm that the "
         "trainer moved the weights into it; publish through source path or collective",
-        Capability.ENGINE_TRANSFER: "it has no weight-update API of its own to join a trainer's group with; "
-        "publish through POST /weights/update (a path, or the app's own collective)",
+        Capability.ENGINE_TRANSFER: "its weights load only through the app: publish through POST "
+        "/weights/update with source path or collective (the app's own group), or deploy engine vllm or sglang",
     }
     tools = ("torch", "npu", "nsys")
 
