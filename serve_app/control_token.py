@@ -12,6 +12,11 @@ if TYPE_CHECKING:
 
 MIN_TOKEN_CHARS = 16
 """A control token is at least this long."""
+CONTROL_TOKEN_ENV = "ROLLOUT_PROFILER_CONTROL_TOKEN"
+"""The one environment variable name for the token: the image's, config/serve.vllm-gpu.yaml's
+`control_token_env`, and where `python -m profiling status|start|stop` reads it."""
+DEPRECATED_TOKEN_ENV = "ROLLOUT_CONTROL_TOKEN"
+"""The CLI's former name, still read with a deprecation warning."""
 
 
 def read_control_token(args: AppArgs) -> str | None:

@@ -6,17 +6,19 @@ CLI through the `rollout_profiler.app_commands` entry point (pyproject.toml).
 
 from __future__ import annotations
 
+import os
 from typing import Annotated, Any, TypeVar
 
 import typer
 from pydantic import BaseModel
 from rich.table import Table
 
-from profiling.cli import EXIT_FAILED, EXIT_UNREACHABLE, AsJson, _fail, _print_json, out
+from profiling.cli import EXIT_FAILED, EXIT_UNREACHABLE, AsJson, _fail, _print_json, err, out
 from serve_app.api import ReplicaReport, StartProfileResponse, StatusResponse, StopProfileResponse
+from serve_app.control_token import CONTROL_TOKEN_ENV as TOKEN_ENV
+from serve_app.control_token import DEPRECATED_TOKEN_ENV
 from trainer.client import RolloutError, SyncRolloutClient
 
-TOKEN_ENV = "ROLLOUT_CONTROL_TOKEN"
 R = TypeVar("R", bound=BaseModel)
 
 Url = Annotated[str, typer.Option(help="The app's base URL, e.g. http://127.0.0.1:8000.")]
@@ -34,6 +36,8 @@ def _call(
 ) -> R:
     """One call through the client (`method` answers a `model`); exits 3 if the app cannot be
     reached and 1 if it refuses."""
+    if token is None and (token := os.environ.get(DEPRECATED_TOKEN_ENV)) is not None:
+        err.print(f"warning: ${DEPRECATED_TOKEN_ENV} is deprecated and will be removed: set ${TOKEN_ENV}", markup=False)
     # No retries: a script calling the CLI decides itself whether to try again.
     with SyncRolloutClient(
         url, control_token=token, timeout_s=timeout, control_wait_s=timeout, retries=0, backlog_wait_s=0

@@ -252,6 +252,15 @@ def test_app_commands(fake_app):
     assert res.exit_code == EXIT_OK and "manifest: /x/step_4/manifest.json" in res.stdout
 
 
+def test_the_cli_reads_the_token_under_the_apps_name_and_the_old_one_with_a_warning(fake_app):
+    assert TOKEN_ENV == "ROLLOUT_PROFILER_CONTROL_TOKEN"  # the image's and config/serve.vllm-gpu.yaml's
+    res = run("status", "--url", fake_app, "--json", env={TOKEN_ENV: "s3cret"})
+    assert res.exit_code == EXIT_OK and "deprecated" not in res.stderr, res.output
+    res = run("status", "--url", fake_app, "--json", env={"ROLLOUT_CONTROL_TOKEN": "s3cret"})
+    assert res.exit_code == EXIT_OK, res.output
+    assert "ROLLOUT_CONTROL_TOKEN is deprecated" in res.stderr and TOKEN_ENV in res.stderr, res.stderr
+
+
 def test_app_command_exit_codes(fake_app):
     res = run("status", "--url", fake_app)
     assert res.exit_code == EXIT_FAILED and "401" in res.stderr and TOKEN_ENV in res.stderr
