@@ -1,11 +1,12 @@
 # GPU deployment image: the rollout app on vLLM, served by Ray Serve.
 #   docker build -t rollout-profiler .
-#   docker run --gpus all --shm-size 8g -p 8000:8000 -p 8002:8002 \
-#     -e ROLLOUT_PROFILER_CONTROL_TOKEN="$(openssl rand -hex 24)" \
+#   export ROLLOUT_PROFILER_CONTROL_TOKEN=$(openssl rand -hex 24)   # keep it: every control call needs it
+#   docker run --gpus all --shm-size 8g --init -p 127.0.0.1:8000:8000 \
+#     -e ROLLOUT_PROFILER_CONTROL_TOKEN \
 #     -v /path/to/checkpoint:/models/policy:ro -v /path/to/data:/data rollout-profiler
 # The app listens on 0.0.0.0 inside the container, so it refuses to start without a control
 # token; config/serve.vllm-gpu.yaml reads it from ROLLOUT_PROFILER_CONTROL_TOKEN.
-# See docs/engines.md ("Docker").
+# See docs/operations.md ("Docker").
 FROM vllm/vllm-openai:v0.33.0
 
 WORKDIR /opt/rollout-profiler
@@ -19,9 +20,10 @@ RUN python3 -m pip install --no-cache-dir . && mkdir -p /data/traces /data/weigh
 
 ENV HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 EXPOSE 8000 8002
-# Replicas build their engines for minutes before /health answers.
+# Healthy once every replica serves (/ready, docs/operations.md#readiness); replicas build their
+# engines for minutes first.
 HEALTHCHECK --interval=30s --timeout=10s --start-period=900s --retries=3 \
-  CMD python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=8)" || exit 1
+  CMD python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/ready', timeout=8)" || exit 1
 # The base image's entrypoint is `vllm serve`; this image runs Ray Serve instead.
 ENTRYPOINT []
 # --address local: always a fresh private cluster, never a stale one left in a restarted container.

@@ -324,6 +324,43 @@ class StatusResponse(BaseModel):
     )
 
 
+class Readiness(BaseModel):
+    """`GET /ready`: whether the app serves, for probes (docs/operations.md#readiness)."""
+
+    ready: bool = Field(description="Every one of num_replicas replicas answers, on the served weight version.")
+    weight_version: int = Field(description="The served (published) weight version.")
+    replicas_expected: int = Field(description="The app's num_replicas.")
+    replicas_serving: int = Field(description="Replicas that answer on the served weight version.")
+    waiting_for: list[str] = Field(
+        default_factory=list, description="What keeps each other replica from serving (empty when ready)."
+    )
+
+    @classmethod
+    def of(cls, status: StatusResponse, expected: int) -> Readiness:
+        """The readiness `status` shows with `expected` replicas. A sync's hold does not count
+        against it: generation resumes at its end, and a probe that failed every sync would take
+        the app out of service while it works as it should."""
+        waiting = []
+        for r in status.replicas:
+            if not r.ok:
+                waiting.append(f"replica {r.replica_id} does not answer: {r.error or 'no answer'}")
+            elif r.weight_version != status.weight_version:
+                waiting.append(
+                    f"replica {r.replica_id} is on weight version {r.weight_version}, not the served "
+                    f"{status.weight_version} (it is loading it)"
+                )
+        serving = len(status.replicas) - len(waiting)
+        if (missing := expected - len(status.replicas)) > 0:
+            waiting.append(f"{missing} of {expected} replicas not running yet (starting, or restarting)")
+        return cls(
+            ready=serving >= expected,
+            weight_version=status.weight_version,
+            replicas_expected=expected,
+            replicas_serving=serving,
+            waiting_for=waiting,
+        )
+
+
 ControlCall = Literal["start", "stop", "update", "collective"]
 """A control call, as its bound counts broadcasts: see `control_bound_s`."""
 

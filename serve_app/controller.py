@@ -32,6 +32,7 @@ from serve_app.api import (
     InClusterWeightsRequest,
     IsPausedResponse,
     PauseResponse,
+    Readiness,
     ReplicaReport,
     ResetPrefixCacheResponse,
     ResumeResponse,
@@ -75,6 +76,7 @@ class RolloutController:
         """`deployment_id`: made by the application builder, new for each deployment of the app:
         the key of its durable desired state."""
         self._app_name = app_name = serve.get_replica_context().app_name
+        self._num_replicas = args.num_replicas
         # Created here, so it lives on this node: the one whose save_path the manifests name.
         self._collector = create_collector(app_name, args.save_path) if args.trace_collection == "ray" else None
         self._fleet = Fleet(
@@ -116,6 +118,10 @@ class RolloutController:
 
     async def status(self) -> StatusResponse:
         return await self.profile.status()
+
+    async def readiness(self) -> Readiness:
+        """Whether every one of num_replicas replicas serves the served weight version."""
+        return Readiness.of(await self.profile.status(), self._num_replicas)
 
     async def clock(self) -> ClockResponse:
         """The app's reference clock: this process's (every replica's offset is measured against it)."""

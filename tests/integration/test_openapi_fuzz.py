@@ -41,6 +41,7 @@ BASE_WEIGHTS = "base.safetensors"
 # negative together), in the order they run: steps are recorded before they are looked up.
 OPERATIONS: dict[tuple[str, str], int] = {
     ("GET", "/health"): 5,
+    ("GET", "/ready"): 5,
     ("GET", "/metrics"): 5,
     ("GET", "/v1/models"): 5,
     ("POST", "/v1/completions"): 50,

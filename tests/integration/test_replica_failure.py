@@ -20,6 +20,7 @@ from integ_util import (
     generate_until_all_recorded,
     kill_replica,
     ok,
+    poll,
     status,
     stop_if_active,
     wait_for_fleet,
@@ -177,3 +178,30 @@ def test_a_replica_that_restarts_after_the_checkpoint_was_deleted_copies_it_from
     for _ in range(4):
         again = complete(http, **greedy)["choices"][0]
         assert again["token_ids"] == reference and again["weight_version"] == version
+
+
+def test_ready_answers_503_until_every_replica_serves_again(failing, http, dead):
+    """The image's health check (docs/operations.md#readiness): a replica down is a 503 naming
+    why, until Serve's replacement serves the served version."""
+    fleet = wait_for_fleet(http, REPLICAS, dead)
+    ready = http.get("/ready")
+    served = status(http)["weight_version"]
+    assert ready.status_code == 200 and ready.json() == {
+        "ready": True,
+        "weight_version": served,
+        "replicas_expected": REPLICAS,
+        "replicas_serving": REPLICAS,
+        "waiting_for": [],
+    }, ready.text
+    victim = fleet[0]
+    kill_replica(victim, {r["pid"] for r in fleet})
+    dead.add(victim["replica_id"])
+    down = poll(
+        lambda: (r := http.get("/ready")).status_code == 503 and r.json(), timeout=60, what="/ready to answer 503"
+    )
+    assert down["ready"] is False and down["replicas_serving"] < REPLICAS and down["waiting_for"], down
+    back = poll(
+        lambda: (r := http.get("/ready")).status_code == 200 and r.json(), timeout=180, what="/ready to answer 200"
+    )
+    assert back["replicas_serving"] == REPLICAS and back["weight_version"] == served, back
+    assert {r["replica_id"] for r in wait_for_fleet(http, REPLICAS, dead)}.isdisjoint(dead)

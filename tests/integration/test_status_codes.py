@@ -361,5 +361,6 @@ def test_control_routes_accept_the_token(secure):
 def test_generation_routes_need_no_token(secure):
     with client(secure.base_url) as c:
         assert c.get("/health").status_code == 200
+        assert c.get("/ready").json()["ready"] is True  # the image's health check sends no token
         assert c.get("/v1/models").status_code == 200
         assert complete(c, "Red green", max_tokens=2)["choices"]

@@ -48,6 +48,7 @@ def test_reference_covers_every_route_of_the_ingress():
         "POST /detokenize",
         "POST /reset_prefix_cache",
         "GET /health",
+        "GET /ready",
         "GET /metrics",
         "POST /init_weight_transfer_engine",
         "POST /start_weight_update",
