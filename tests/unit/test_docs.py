@@ -65,3 +65,19 @@ def test_step_timeline_figure_draws(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert out.stat().st_size > 10_000
     assert (DOCS / "images" / "step_timeline.png").is_file(), "commit the drawn figure"
+
+
+def test_the_readme_names_every_benchmark_config_and_cli_command():
+    """The README's layout and CLI lines list what the repository holds (they went stale once)."""
+    readme = (ROOT / "README.md").read_text()
+    missing = [f"benchmarks/{p.name}" for p in (ROOT / "benchmarks").glob("*.py") if f"`{p.name}`" not in readme]
+    missing += [f"config/{p.name}" for p in (ROOT / "config").glob("*.yaml") if f"`{p.name}`" not in readme]
+    from typer.main import get_command
+
+    from profiling.cli import app
+
+    commands = get_command(app).commands  # type: ignore[attr-defined]
+    lines = re.findall(r"python -m profiling ([\w|]+) ", readme)
+    listed = {c for line in lines for c in line.split("|")}
+    missing += [f"python -m profiling {c}" for c in sorted(set(commands) - listed)]
+    assert not missing, f"README.md does not name: {missing}"
