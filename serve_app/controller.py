@@ -58,6 +58,7 @@ from serve_app.desired_state import DesiredState, DesiredStateRecord
 from serve_app.ingress.control_listener import ControlListener
 from serve_app.ingress.http_options import serve_http_options
 from serve_app.metrics import refresh_exports, refresh_fleet
+from serve_app.serve_logs import quiet_serve_logs
 from serve_app.trace_collection import create_collector
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,7 @@ class RolloutController:
     async def __init__(self, replicas: DeploymentHandle, args: AppArgs, deployment_id: str):  # type: ignore[misc]  # Serve awaits it
         """`deployment_id`: made by the application builder, new for each deployment of the app:
         the key of its durable desired state."""
+        quiet_serve_logs()
         self._app_name = app_name = serve.get_replica_context().app_name
         self._num_replicas = args.num_replicas
         # Created here, so it lives on this node: the one whose save_path the manifests name.

@@ -34,6 +34,7 @@ from serve_app.reconcile import Reconciler
 from serve_app.redact import app_redactor
 from serve_app.replica.control import ControlPlane, first_line
 from serve_app.replica.generation import GenerationPlane
+from serve_app.serve_logs import quiet_serve_logs
 from serve_app.trace_collection import ShippingTraceStore, node_local_dir
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ class RolloutReplica(GenerationPlane, ControlPlane):
     """The deployment: both planes over one engine and one profiling session."""
 
     async def __init__(self, args: AppArgs):  # type: ignore[misc]  # Serve awaits it
+        quiet_serve_logs()
         ctx = serve.get_replica_context()
         self.replica_id = ctx.replica_tag
         self._args = args
