@@ -95,6 +95,13 @@ _SGLANG_REFUSAL: dict[int | str, dict[str, Any]] = {
 }
 
 
+def _group_route(path: str, answer: type[SglangResult] = SglangResult) -> Callable[[Any], Any]:
+    """A control route of SGLang's update group, answering SGLang's result or its refusal."""
+    return lambda app: app.post(
+        path, dependencies=_CONTROL, response_model=answer, responses=_SGLANG_REFUSAL, tags=_TAGS
+    )
+
+
 class SglangRoutesMixin(OpenAIRoutesMixin, VllmRoutesMixin):
     ENDPOINTS: ClassVar[dict[str, Callable[[Any], Any]]] = {
         "sglang_generate": lambda app: app.post(
@@ -135,41 +142,11 @@ class SglangRoutesMixin(OpenAIRoutesMixin, VllmRoutesMixin):
             responses={400: {"description": "An engine refused: requests in flight hold cached blocks."}},
             tags=_TAGS,
         ),
-        "init_weights_update_group": lambda app: app.post(
-            "/init_weights_update_group",
-            dependencies=_CONTROL,
-            response_model=SglangResult,
-            responses=_SGLANG_REFUSAL,
-            tags=_TAGS,
-        ),
-        "begin_weight_update": lambda app: app.post(
-            "/begin_weight_update",
-            dependencies=_CONTROL,
-            response_model=SglangResult,
-            responses=_SGLANG_REFUSAL,
-            tags=_TAGS,
-        ),
-        "update_weights_from_distributed": lambda app: app.post(
-            "/update_weights_from_distributed",
-            dependencies=_CONTROL,
-            response_model=SglangResult,
-            responses=_SGLANG_REFUSAL,
-            tags=_TAGS,
-        ),
-        "end_weight_update": lambda app: app.post(
-            "/end_weight_update",
-            dependencies=_CONTROL,
-            response_model=SglangUpdateResult,
-            responses=_SGLANG_REFUSAL,
-            tags=_TAGS,
-        ),
-        "destroy_weights_update_group": lambda app: app.post(
-            "/destroy_weights_update_group",
-            dependencies=_CONTROL,
-            response_model=SglangResult,
-            responses=_SGLANG_REFUSAL,
-            tags=_TAGS,
-        ),
+        "init_weights_update_group": _group_route("/init_weights_update_group"),
+        "begin_weight_update": _group_route("/begin_weight_update"),
+        "update_weights_from_distributed": _group_route("/update_weights_from_distributed"),
+        "end_weight_update": _group_route("/end_weight_update", SglangUpdateResult),
+        "destroy_weights_update_group": _group_route("/destroy_weights_update_group"),
     }
 
     async def sglang_generate(self, body: SglangGenerateRequest) -> Response:

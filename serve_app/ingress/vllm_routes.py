@@ -70,6 +70,13 @@ _TRANSFER_ERRORS: dict[int | str, dict[str, Any]] = {
     },
     503: {"model": ErrorResponse, "description": "A replica's engine did not carry out the call (each named)."},
 }
+
+
+def _transfer_route(path: str) -> Callable[[Any], Any]:
+    """A control route of vLLM's weight-transfer API."""
+    return lambda app: app.post(
+        path, dependencies=[Depends(require_control_token)], responses=_TRANSFER_ERRORS, tags=["vllm"]
+    )
 NOT_CONFIGURED = "Weight transfer not configured. Please set weight_transfer_config to enable weight transfer."
 """vLLM's answer to a weight-transfer call where the engine has no weight-transfer engine."""
 _TOKENIZE_ERRORS: dict[int | str, dict[str, Any]] = {
@@ -237,18 +244,8 @@ class VllmRoutesMixin:
             responses={409: {"model": ErrorResponse}, 422: {"model": ErrorResponse}},
             tags=["vllm"],
         ),
-        "init_weight_transfer_engine": lambda app: app.post(
-            "/init_weight_transfer_engine",
-            dependencies=[Depends(require_control_token)],
-            responses=_TRANSFER_ERRORS,
-            tags=["vllm"],
-        ),
-        "start_weight_update": lambda app: app.post(
-            "/start_weight_update",
-            dependencies=[Depends(require_control_token)],
-            responses=_TRANSFER_ERRORS,
-            tags=["vllm"],
-        ),
+        "init_weight_transfer_engine": _transfer_route("/init_weight_transfer_engine"),
+        "start_weight_update": _transfer_route("/start_weight_update"),
         "start_draft_weight_update": lambda app: app.post(
             "/start_draft_weight_update",
             dependencies=[Depends(require_control_token)],
@@ -268,18 +265,8 @@ class VllmRoutesMixin:
             },
             tags=["vllm"],
         ),
-        "finish_weight_update": lambda app: app.post(
-            "/finish_weight_update",
-            dependencies=[Depends(require_control_token)],
-            responses=_TRANSFER_ERRORS,
-            tags=["vllm"],
-        ),
-        "shutdown_weight_transfer_engine": lambda app: app.post(
-            "/shutdown_weight_transfer_engine",
-            dependencies=[Depends(require_control_token)],
-            responses=_TRANSFER_ERRORS,
-            tags=["vllm"],
-        ),
+        "finish_weight_update": _transfer_route("/finish_weight_update"),
+        "shutdown_weight_transfer_engine": _transfer_route("/shutdown_weight_transfer_engine"),
     }
 
     async def weight_info(self) -> WeightInfo:
