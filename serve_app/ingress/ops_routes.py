@@ -13,6 +13,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.responses import JSONResponse, Response
 
 from serve_app.api import Readiness
+from serve_app.ingress.settings import current
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,8 @@ class OpsRoutesMixin:
         except (RayActorError, ActorUnavailableError, DeploymentUnavailableError) as e:  # restarting: not ready
             log.warning("readiness: the app's controller did not answer (%s)", type(e).__name__)
             return JSONResponse({"detail": "the app's controller did not answer: it may be restarting"}, 503)
+        # A replica's error may name a server path: redacted, as in every answer.
+        readiness.waiting_for = [current().redact(line) for line in readiness.waiting_for]
         return JSONResponse(readiness.model_dump(), status_code=200 if readiness.ready else 503)
 
     async def metrics(self) -> Response:
