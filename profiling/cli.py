@@ -9,10 +9,10 @@
     merge DIR [--step K]               step_<k>/merged.trace.json.gz (Perfetto)
     diff DIR --step A --step B         what got slower from step A to step B
     report DIR [--step K]              step_<k>/report.html and index.html
-    ranks DIR [--step K]               step_<k>/ranks/: the step as ranks, for HTA and TensorBoard
+    ranks DIR [--step K]               rebuild step_<k>/ranks/: the step as ranks, for HTA and TensorBoard
     verify DIR [--step K]              check attribution: manifests, files, markers, clocks
 
-Exit codes: 0 done; 1 the operation failed (a merge failed, the app refused the call, a
+Exit codes: 0 done; 1 the operation failed (a merge or ranks view failed, the app refused the call, a
 replica did not carry it out, or verify found a violation); 2 bad usage (unknown option, no such
 directory or step); 3 the app could not be reached. `--json` prints machine-readable output on stdout; messages
 and progress bars go to stderr.
@@ -46,6 +46,7 @@ from profiling.analysis.diff import StepDiff, diff_steps
 from profiling.analysis.merge import MergeError, merge_step
 from profiling.analysis.sources import find_inputs, load_manifest
 from profiling.analysis.summary import StepSummary, summarize_step
+from profiling.analysis.tool_view import ToolView, ViewError, build_tool_view
 from profiling.analysis.verify import Finding, VerifyReport, trace_bytes, verify_steps
 from profiling.manifest import ManifestStatus, MergeRecord
 from profiling.store import MERGED_TRACE, TraceStore
@@ -292,25 +293,37 @@ def report(directory: Dir, step: Steps = None) -> None:
 
 @app.command()
 def ranks(directory: Dir, step: Steps = None, as_json: AsJson = False) -> None:
-    """Write step_<k>/ranks/: every trace of the step as one rank (a unique
+    """(Re)write step_<k>/ranks/: every trace of the step as one rank (a unique
     distributedInfo.rank), the directory Holistic Trace Analysis and TensorBoard's profiler
-    plugin load. JSON: a list of views."""
-    from profiling.analysis.tool_view import build_tool_view
-
+    plugin load. The background merge (merge_on_complete) writes it for every settled step; this
+    rebuilds it. JSON: a list of views."""
     store = _store(directory)
-    views = [build_tool_view(store, k) for k in _steps(store, step)]
+    views, failed = [], []
+    for k in _steps(store, step):
+        try:
+            v = build_tool_view(store, k)
+        except ViewError as e:
+            failed.append(str(e))
+            continue
+        assert v is not None  # only an `only_if_stale` build returns None
+        views.append(v)
+        if not as_json:
+            _print_view(v)
     if as_json:
         _print_json(views)
-        return
-    for v in views:
-        linked = sum(f.how == "link" for f in v.files)
-        out.print(
-            f"step {v.step}: {v.world_size} rank(s) ({linked} linked, {v.world_size - linked} rewritten, "
-            f"{v.rewritten_bytes / 2**20:.1f} MB) in {v.duration_s:.1f} s: {v.directory}",
-            markup=False,
-        )
-        for note in v.skipped:
-            err.print(f"  skipped {note}", markup=False)
+    if failed:
+        _fail(EXIT_FAILED, "; ".join(failed))
+
+
+def _print_view(v: ToolView) -> None:
+    linked = sum(f.how == "link" for f in v.files)
+    out.print(
+        f"step {v.step}: {v.world_size} rank(s) ({linked} linked, {v.world_size - linked} rewritten, "
+        f"{v.rewritten_bytes / 2**20:.1f} MB) in {v.duration_s:.1f} s: {v.directory}",
+        markup=False,
+    )
+    for note in v.skipped:
+        err.print(f"  skipped {note}", markup=False)
 
 
 @app.command()

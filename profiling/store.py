@@ -5,7 +5,7 @@
     <save_path>/step_<k>/rollout/<replica_id>/...     engine traces + entry.record
     <save_path>/step_<k>/trainer/rank_<r>/...         trainer traces + entry.record
     <save_path>/step_<k>/trainer/ranks.record         the trainer ranks selected, and those that died
-    <save_path>/step_<k>/ranks/                       every trace as a rank (profiling.analysis.tool_view)
+    <save_path>/step_<k>/ranks/                       every trace as a rank (analysis.tool_view, with the merge)
     <save_path>/step_<k>/merged.trace.json.gz         one timeline (profiling.analysis.merge)
     <save_path>/step_<k>/merge.json                   the last merge's record
     <save_path>/step_<k>/.write.lock                  held while a merge or the ranks view writes (`writing`)
@@ -85,8 +85,8 @@ class TraceStore:
 
     def __init__(self, save_path: str | os.PathLike, *, merge_on_complete: bool = False):
         """`merge_on_complete`: when a refresh finds a step `complete` or `partial`, merge its
-        traces into `merged.trace.json.gz` in a background child process (never on the caller's
-        thread, never in the caller's interpreter)."""
+        traces into `merged.trace.json.gz` and write its `ranks/` view in a background child
+        process (never on the caller's thread, never in the caller's interpreter)."""
         self.root = Path(save_path).expanduser().resolve()
         self._auto_merge = None
         if merge_on_complete:

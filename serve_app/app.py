@@ -4,6 +4,7 @@ the ingress replicas (docs/design.md#control-path)."""
 
 from __future__ import annotations
 
+import logging
 import uuid
 from typing import Any
 
@@ -20,6 +21,8 @@ from serve_app.ingress.builder import make_ingress
 from serve_app.ingress.http_options import serve_http_options
 from serve_app.ingress.routes import AppRoutes
 from serve_app.replica import RolloutReplica
+
+log = logging.getLogger(__name__)
 
 CONTROL_HEADROOM = 64
 """Calls a deployment takes beyond what generation can fill: room for control calls (and for
@@ -60,6 +63,8 @@ def parse_args(args: dict[str, Any]) -> AppArgs:
 def build_app(args: dict[str, Any]) -> Application:
     """Ray Serve application builder: `args` is the `args:` block of config/serve.yaml."""
     cfg = parse_args(args)
+    for note in cfg.notes():  # accepted keys that do nothing here: said once, never silently
+        log.warning(note)
     if cfg.control_token_env is None and cfg.control_token_file is None:
         http = serve_http_options()
         try:

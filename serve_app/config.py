@@ -20,7 +20,15 @@ from pydantic import (
     model_validator,
 )
 
-from profiling.config import ProfileOptions, StepNumber, StrictModel
+from profiling.config import (
+    ProfileOptions,
+    StepNumber,
+    StrictModel,
+    Tool,
+    VerlProfilerKeys,
+    VerlToolConfigs,
+    _tool_here,
+)
 from profiling.weight_source import WeightSource, read_old_spelling
 from serve_app.engines.options import Capability, EngineOptions
 from serve_app.engines.registry import DEFAULT_ENGINE, ENGINE_OPTIONS, EngineName
@@ -41,19 +49,37 @@ class ListenerOptions(StrictModel):
     """Its TCP port (the app's HTTP port is Serve's, http_options.port)."""
 
 
-class AppSchedule(StrictModel):
-    """verl's `global_profiler` keys that the app applies itself, at every version change it
-    sees, whichever route brought it: the server drives the steps (docs/design.md#who-drives)."""
+class AppSchedule(VerlProfilerKeys):
+    """verl's `global_profiler` block that the app applies itself, at every version change it
+    sees, whichever route brought it: the server drives the steps (docs/design.md#who-drives).
+    verl's block is accepted as written (docs/configuration.md#verls-blocks); the app records
+    with its `profiler` settings."""
 
-    steps: list[StepNumber] = Field(min_length=1)
-    """Profiled steps, e.g. [1, 2, 5]: step k is the generation on weights k-1."""
+    tool: Annotated[Tool | None, BeforeValidator(_tool_here)] = None
+    """Left out: the app's profiler.tool. Written: null (verl's default) is profiling off, whatever
+    steps says; a tool must be the app's profiler.tool (verl's torch_memory and precision_debugger
+    are refused)."""
+    steps: Annotated[list[StepNumber], Field(min_length=1)] | None = None
+    """Profiled steps, e.g. [1, 2, 5]: step k is the generation on weights k-1; null (verl's
+    default): the app profiles no step itself."""
     profile_continuous_steps: bool = False
     """Merge consecutive profiled steps into one window labelled by its first step."""
+    save_path: str | None = None
+    """verl's root of the traces: the app's are under its own save_path (another path here is
+    accepted with a warning)."""
+    global_tool_config: VerlToolConfigs = Field(default_factory=VerlToolConfigs)
+    """verl's per-tool settings: the app records with its `profiler` block, so the tool's block
+    here has no effect (set, it is accepted with a warning naming the key)."""
 
     @field_validator("steps")
     @classmethod
-    def _sorted_unique(cls, steps: list[int]) -> list[int]:
-        return sorted(set(steps))
+    def _sorted_unique(cls, steps: list[int] | None) -> list[int] | None:
+        return None if steps is None else sorted(set(steps))
+
+    @property
+    def drives(self) -> bool:
+        """Whether the app profiles steps itself: steps, and a tool unless it was left out."""
+        return bool(self.steps) and ("tool" not in self.model_fields_set or self.tool is not None)
 
 
 class _AppArgs(StrictModel):
@@ -187,6 +213,51 @@ class _AppArgs(StrictModel):
         if self.weight_transfer == WeightSource.COLLECTIVE:
             self.engine_options.require(Capability.RECEIVE_COLLECTIVE)  # a ValueError: pydantic reports it
         return self
+
+    @model_validator(mode="after")
+    def _one_app_tool(self) -> AppArgs:
+        schedule = self.global_profiler
+        if schedule is not None and schedule.tool is not None and schedule.tool != self.profiler.tool:
+            raise ValueError(
+                f"global_profiler.tool is {schedule.tool!r} but profiler.tool is {self.profiler.tool!r}: the app "
+                "records with profiler.tool; make them agree, or leave global_profiler.tool out"
+            )
+        return self
+
+    def notes(self) -> list[str]:
+        """One warning per key of `global_profiler` that is accepted but has no effect here, to be
+        logged once by the builder."""
+        g, where = self.global_profiler, "args.global_profiler"
+        if g is None:
+            return []
+        out = []
+        if not g.steps:
+            out.append(f"{where}.steps is null: the app profiles no step itself; list the steps or remove the block")
+        elif not g.drives:
+            out.append(
+                f"{where}.steps is {g.steps} but {where}.tool is null: the app profiles no step (verl's meaning "
+                f"of tool: null); set {where}.tool: {self.profiler.tool} or leave the key out"
+            )
+        if not g.drives:
+            return out
+        out += g.relocate_note(where)
+        if g.save_path is not None and Path(g.save_path).expanduser().resolve() != Path(self.save_path):
+            out.append(
+                f"{where}.save_path is {g.save_path!r}, which is not implemented here: the app's traces go under "
+                f"args.save_path ({self.save_path}); the key has no effect"
+            )
+        if g.finish_hook_cmd:
+            out.append(
+                f"{where}.finish_hook_cmd is set, which the app does not run: the trainer's `python -m trainer` "
+                "runs its own global_profiler.finish_hook_cmd (docs/trainer.md#finish-hook); the key has no effect"
+            )
+        tool = self.profiler.tool
+        if g.global_tool_config.block(tool) is not None:
+            out.append(
+                f"{where}.global_tool_config.{tool} is set, which the app does not apply: it records with "
+                "args.profiler (activities, record_shapes, with_stack, with_memory, npu); the block has no effect"
+            )
+        return out
 
     @model_validator(mode="after")
     def _listeners_guarded(self) -> AppArgs:

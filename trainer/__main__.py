@@ -20,10 +20,12 @@ from profiling.schedule import StepSchedule
 from profiling.store import TraceStore
 from trainer.client import AppAddress, RolloutError
 from trainer.config import ConfigError, TrainerConfig, load_config
+from trainer.finish_hook import run_finish_hook
 from trainer.launch import RankDied, launch_ranks
 from trainer.loop import RunResult, VersionStats, run_training
 from trainer.report import finish_steps, profile_table, wait_for_manifests
 
+log = logging.getLogger("trainer")
 cli = typer.Typer(add_completion=False, help=__doc__)
 console = Console()
 
@@ -38,6 +40,8 @@ def main(
     _quiet_native_logs()
     try:
         cfg = load_config(config, ctx.args)
+        for note in cfg.notes():  # accepted keys that do nothing here: said once, never silently
+            log.warning(note)
         result, manifests, report = asyncio.run(_run(cfg))
     except (ConfigError, RolloutError, ValueError, RankDied) as e:
         console.print(f"[red]error:[/red] {e}")
@@ -52,6 +56,8 @@ def main(
         console.print(profile_table(manifests))
         console.print(f"traces under {store.root}")
         verified = _verify(store, [k for k, m in manifests.items() if m is not None])
+    if (hook := cfg.finish_hook()) is not None and any(m is not None for m in manifests.values()):
+        run_finish_hook(hook, lambda line: console.print(line, markup=False, highlight=False, soft_wrap=True))
     if report is not None:
         index, merge_errors = report
         console.print(f"report: {index}", soft_wrap=True)  # one line, for scripts
@@ -139,7 +145,7 @@ async def _run(
                 async with address.client() as client:
                     result = await run_training(cfg, client, model_dir, on_version)
         manifests, report = {}, None
-        if cfg.global_profiler.steps:
+        if cfg.global_profiler.profiles:
             store = TraceStore(cfg.global_profiler.save_path)
             reached = cfg.trainer.total_versions + 1  # step k+1 starts at the sync publishing k
             labels = [w[0] for w in StepSchedule.from_config(cfg.global_profiler).windows if w[0] <= reached]

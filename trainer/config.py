@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BeforeValidator, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
-from profiling.config import GlobalProfilerConfig, ProfileOptions, StrictModel, describe_validation_error
+from profiling.config import (
+    RAY_NSIGHT_LOG_DIR,
+    GlobalProfilerConfig,
+    ProfileOptions,
+    StrictModel,
+    VerlToolConfigs,
+    describe_validation_error,
+    distinct_ranks,
+)
 from profiling.weight_source import WeightSource, read_old_spelling
 
 MAX_AGENT_TURNS = 16
@@ -17,20 +26,62 @@ MAX_AGENT_TURNS = 16
 
 
 class TrainerProfileOptions(ProfileOptions):
-    """The trainer's `profiler:` section: the window options, and which ranks record (verl's keys)."""
+    """The trainer's `profiler:` section: the window options, which ranks record, and the keys of
+    a verl role's `profiler` block (docs/configuration.md#verls-blocks)."""
 
+    model_config = ConfigDict(validate_by_name=True, validate_by_alias=True, serialize_by_alias=True)
+    target: str | None = Field(
+        None, alias="_target_", description="verl's Hydra instantiation hint; accepted and read by nothing here."
+    )
+    enable: bool = Field(
+        True,
+        description="Whether the trainer ranks record the profiled steps (false: only the rollout side "
+        "does). verl's role key; its default there is false because every verl role opts in, here "
+        "global_profiler's tool and steps are what switch profiling on.",
+    )
     all_ranks: bool = Field(False, description="Every trainer rank records the profiled steps (ranks is then unused).")
     ranks: list[int] = Field(
-        default_factory=lambda: [0],
-        description="The trainer ranks that record the profiled steps, each into step_<k>/trainer/rank_<r>/ "
-        "(all_ranks: every rank). Each must be below trainer.world_size.",
+        default_factory=list,
+        description="The trainer ranks that record the profiled steps, each into step_<k>/trainer/rank_<r>/; "
+        "[]: rank 0 (verl's meaning). Each must be below trainer.world_size.",
     )
+    save_path: str | None = Field(
+        None,
+        description="verl's role key: here the trainer's traces always go under global_profiler.save_path "
+        "(another path is accepted with a warning).",
+    )
+    relocate_results: bool | None = Field(
+        None, description="verl's role key, as global_profiler.relocate_results (a no-op); null: that one."
+    )
+    finish_hook_cmd: str | None = Field(
+        None, description="As global_profiler.finish_hook_cmd, for the trainer (set here, it wins)."
+    )
+    finish_hook_all_ranks: bool | None = Field(
+        None, description="As global_profiler.finish_hook_all_ranks (set here, it wins); null: that one."
+    )
+    finish_hook_ranks: list[int] | None = Field(
+        None, description="As global_profiler.finish_hook_ranks (set here, it wins); null: that one."
+    )
+    tool_config: VerlToolConfigs = Field(
+        default_factory=VerlToolConfigs,
+        description="verl's per-tool settings of the role; the block of the tool applies on top of "
+        "global_profiler.global_tool_config's.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_tool_is_the_global_one(cls, data: Any) -> Any:
+        # verl's role blocks say `tool: ${oc.select:global_profiler.tool,null}`: null is "the global one".
+        if isinstance(data, dict) and "tool" in data and data["tool"] is None:
+            data = {k: v for k, v in data.items() if k != "tool"}
+        return data
 
     @model_validator(mode="after")
     def _ranks_are_ranks(self) -> TrainerProfileOptions:
-        if any(r < 0 for r in self.ranks) or len(set(self.ranks)) != len(self.ranks):
-            raise ValueError(f"profiler.ranks {self.ranks} must list distinct ranks, each 0 or more")
-        if self.all_ranks and "ranks" in self.model_fields_set:
+        distinct_ranks(self.ranks, "profiler.ranks")
+        if self.finish_hook_ranks is not None:
+            distinct_ranks(self.finish_hook_ranks, "profiler.finish_hook_ranks")
+        if self.all_ranks and self.ranks:
             raise ValueError(
                 f"profiler.all_ranks is true and profiler.ranks is {self.ranks}: all_ranks selects every rank; "
                 "remove one of them"
@@ -39,11 +90,13 @@ class TrainerProfileOptions(ProfileOptions):
 
     def selected(self, world_size: int) -> list[int]:
         """The ranks that record, of `world_size`."""
-        return list(range(world_size)) if self.all_ranks else sorted(self.ranks)
+        if not self.enable:
+            return []
+        return list(range(world_size)) if self.all_ranks else sorted(self.ranks or [0])
 
     def window_options(self) -> ProfileOptions:
-        """The options of one recording (the rank selection left out)."""
-        return ProfileOptions.model_validate(self.model_dump(exclude={"all_ranks", "ranks"}))
+        """The options of one recording (the rank selection and verl's role keys left out)."""
+        return ProfileOptions.model_validate(self.model_dump(include=set(ProfileOptions.model_fields)))
 
 
 class TrainerSection(StrictModel):
@@ -195,19 +248,84 @@ class TrainerConfig(StrictModel):
 
     @model_validator(mode="after")
     def _ranks_fit_the_world(self) -> TrainerConfig:
-        """profiler.ranks name ranks of trainer.world_size; every rank gets part of a mini-batch."""
+        """profiler.ranks and the finish hook's ranks name ranks of trainer.world_size; every rank
+        gets part of a mini-batch."""
         world = self.trainer.world_size
-        if beyond := [r for r in self.profiler.ranks if r >= world]:
-            raise ValueError(
-                f"profiler.ranks {self.profiler.ranks} names rank(s) {beyond}, but trainer.world_size is "
-                f"{world} (ranks 0..{world - 1}): lower the ranks or raise trainer.world_size"
-            )
+        hook_key = "profiler" if self.profiler.finish_hook_ranks is not None else "global_profiler"
+        checked = (("profiler.ranks", self.profiler.ranks), (f"{hook_key}.finish_hook_ranks", self._hook_ranks()))
+        for key, ranks in checked:
+            if beyond := [r for r in ranks if r >= world]:
+                raise ValueError(
+                    f"{key} {ranks} names rank(s) {beyond}, but trainer.world_size is "
+                    f"{world} (ranks 0..{world - 1}): lower the ranks or raise trainer.world_size"
+                )
         if self.trainer.mini_batch_size < world:
             raise ValueError(
                 f"trainer.mini_batch_size {self.trainer.mini_batch_size} is below trainer.world_size {world}: "
                 "each rank trains on its share of a mini-batch; raise mini_batch_size"
             )
         return self
+
+
+    def _hook_ranks(self) -> list[int]:
+        p, g = self.profiler, self.global_profiler
+        return p.finish_hook_ranks if p.finish_hook_ranks is not None else g.finish_hook_ranks
+
+    def window_options(self) -> ProfileOptions:
+        """The options of one trainer recording: the `profiler` keys, then the selected tool's block
+        of global_profiler.global_tool_config, then the role's own `profiler.tool_config` block."""
+        tool = self.global_profiler.tool
+        options = self.profiler.window_options()
+        options = self.global_profiler.global_tool_config.apply(tool, options)
+        return self.profiler.tool_config.apply(tool, options)
+
+    def finish_hook(self) -> FinishHook | None:
+        """The finish hook (`finish_hook_cmd` and the ranks it runs for, verl's selection), or None."""
+        p, g = self.profiler, self.global_profiler
+        cmd = p.finish_hook_cmd if "finish_hook_cmd" in p.model_fields_set else g.finish_hook_cmd
+        if not cmd or not g.profiles:
+            return None
+        world = self.trainer.world_size
+        all_ranks = p.finish_hook_all_ranks if p.finish_hook_all_ranks is not None else g.finish_hook_all_ranks
+        # verl: every rank, the listed ones, else the profiled ranks.
+        ranks = list(range(world)) if all_ranks else sorted(self._hook_ranks()) or p.selected(world)
+        return FinishHook(cmd=cmd, ranks=ranks, tool=str(g.tool), save_path=g.save_path)
+
+    def notes(self) -> list[str]:
+        """One warning per key that is accepted but has no effect here (verl's keys this project
+        does not implement, and steps without a tool), to be logged once by the job."""
+        g, p = self.global_profiler, self.profiler
+        out = g.notes()
+        if not g.profiles:
+            return out
+        out += p.tool_config.notes(g.tool, "profiler.tool_config")
+        if p.relocate_results:
+            out += ["profiler.relocate_results is true: nothing to relocate here, each step's traces already are "
+                    "in one directory (save_path/step_<k>/); the key has no effect"]
+        if p.save_path is not None and Path(p.save_path).resolve() != Path(g.save_path).resolve():
+            out.append(
+                f"profiler.save_path is {p.save_path!r}, which is not implemented here: the trainer's traces go "
+                f"under global_profiler.save_path ({g.save_path!r}), beside the rollout's; the key has no effect"
+            )
+        hook = p.finish_hook_cmd if "finish_hook_cmd" in p.model_fields_set else g.finish_hook_cmd
+        if hook and (selected := self.finish_hook()) is not None and not selected.ranks:
+            out.append(
+                "finish_hook_cmd is set but selects no trainer rank (profiler.enable is false and neither "
+                "finish_hook_ranks nor finish_hook_all_ranks is set): it does not run; set finish_hook_ranks"
+            )
+        return out
+
+
+class FinishHook(BaseModel):
+    """What runs after the last profiled step (trainer/finish_hook.py)."""
+
+    cmd: str
+    ranks: list[int]
+    """The trainer ranks it runs for, once each (VERL_PROFILE_RANK)."""
+    tool: str
+    save_path: str
+    role: str = "trainer"
+    ray_nsight_dir: str = RAY_NSIGHT_LOG_DIR
 
 
 class ConfigError(ValueError):
@@ -233,6 +351,8 @@ def apply_override(data: dict[str, Any], override: str) -> None:
 
 
 def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> TrainerConfig:
+    """The config of the file at `path` (None: the defaults) with `overrides` applied, verl's
+    `${oc.select:...}` references resolved, validated; ConfigError names what is wrong."""
     data: dict[str, Any] = {}
     if path is not None:
         try:
@@ -241,7 +361,74 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Train
             raise ConfigError(f"cannot read config {path}: {e.strerror}") from e
     for o in overrides:
         apply_override(data, o)
+    data = resolve_interpolations(data)
     try:
         return TrainerConfig.model_validate(data)
     except ValidationError as e:
         raise ConfigError(f"invalid config: {describe_validation_error(e)}") from None
+
+
+_REFERENCE = re.compile(r"\$\{(.*)\}", re.DOTALL)
+_KEY_PATH = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+_MISSING = object()
+
+
+def resolve_interpolations(data: dict[str, Any]) -> dict[str, Any]:
+    """`data` with verl's OmegaConf references resolved against it: a value that is all of
+    `${oc.select:key.path,default}` (default: null when left out; it may be a reference itself) or
+    `${key.path}`, as verl's role blocks write them (`tool: ${oc.select:global_profiler.tool,null}`).
+    A key the config does not set gives the default (OmegaConf's oc.select), so a role block
+    pasted alone reads verl's defaults. Any other `${...}` is a ConfigError naming the key."""
+
+    def walk(node: Any, where: str) -> Any:
+        if isinstance(node, dict):
+            return {k: walk(v, f"{where}.{k}" if where else str(k)) for k, v in node.items()}
+        if isinstance(node, list):
+            return [walk(v, f"{where}[{i}]") for i, v in enumerate(node)]
+        if isinstance(node, str) and "${" in node:
+            return reference(node, where, depth=0)
+        return node
+
+    def lookup(path: str) -> Any:
+        node: Any = data
+        for part in path.split("."):
+            if not isinstance(node, dict) or part not in node:
+                return _MISSING
+            node = node[part]
+        return node
+
+    def reference(text: str, where: str, depth: int) -> Any:
+        m = _REFERENCE.fullmatch(text.strip())
+        body = m.group(1).strip() if m else ""
+        select = body.startswith("oc.select:")
+        key, sep, default = _split_default(body[len("oc.select:") :]) if select else (body, "", "")
+        if depth > 16 or not _KEY_PATH.fullmatch(key.strip()):
+            raise ConfigError(
+                f"'{where}': {text!r} is an OmegaConf interpolation this loader does not resolve (it reads "
+                "`${oc.select:key.path,default}` and `${key.path}` only): write the value"
+            )
+        found = lookup(key.strip())
+        if found is _MISSING:
+            if not select:
+                raise ConfigError(f"'{where}': {text!r} refers to {key.strip()!r}, which this config does not set")
+            if not sep:
+                return None
+            default = default.strip()
+            return reference(default, where, depth + 1) if "${" in default else yaml.safe_load(default)
+        return reference(found, where, depth + 1) if isinstance(found, str) and "${" in found else found
+
+    resolved: dict[str, Any] = walk(data, "")
+    return resolved
+
+
+def _split_default(args: str) -> tuple[str, str, str]:
+    """`key,default` split at the first comma outside a nested `${...}` (partition's result)."""
+    depth = 0
+    for i, ch in enumerate(args):
+        if args.startswith("${", i):
+            depth += 1
+        elif ch == "}":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            return args[:i], ",", args[i + 1 :]
+    return args, "", ""

@@ -109,7 +109,7 @@ def _how(p: BaseProcess) -> str:
 def _record_deaths(cfg: TrainerConfig, died: dict[int, str]) -> None:
     """Name each dead rank in the trainer record of every recorded step that selected it (an entry
     it finished stays ok: the manifest marks only unfinished ones)."""
-    if not cfg.global_profiler.steps:
+    if not cfg.global_profiler.profiles:
         return
     store = TraceStore(cfg.global_profiler.save_path)
     for label, *_ in StepSchedule.from_config(cfg.global_profiler).windows:

@@ -153,10 +153,10 @@ async def run_training(
     sync = ProfiledWeightSync(
         schedule,
         client if ranks.drives else None,
-        save_path=cfg.global_profiler.save_path if cfg.global_profiler.steps else None,
+        save_path=cfg.global_profiler.save_path if cfg.global_profiler.profiles else None,
         publisher=publisher,
         role=ranks.role(),
-        options=cfg.profiler.window_options(),
+        options=cfg.window_options(),
         model_executor=executor,
         merge_on_complete=cfg.global_profiler.merge_on_complete,
     )

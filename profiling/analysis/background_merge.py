@@ -1,6 +1,7 @@
 """`python -m profiling.analysis.background_merge ROOT STEP`: one background merge, as
-`profiling.analysis.auto.AutoMerger` runs it in a child process: a settled step whose merge is
-stale, at the lowest CPU priority, importing only what a merge needs."""
+`profiling.analysis.auto.AutoMerger` runs it in a child process: a settled step's merged
+timeline and its `ranks/` view (every trace as one rank, for HTA and TensorBoard), each only where
+stale, at the lowest CPU priority, importing only what they need."""
 
 from __future__ import annotations
 
@@ -10,27 +11,37 @@ from pathlib import Path
 
 from profiling.analysis.merge import MergeError, merge_step
 from profiling.analysis.sources import load_manifest
+from profiling.analysis.tool_view import ViewError, build_tool_view
 from profiling.store import TraceStore
 
 
-def merge_if_settled(root: Path, step: int) -> None:
-    """Merge `step` under `root` if it is settled (complete or partial) and its merge is stale.
-    MergeError when the merge fails (also recorded in its merge.json)."""
+def merge_if_settled(root: Path, step: int) -> list[str]:
+    """If `step` under `root` is settled (complete or partial): merge it, then write its ranks
+    view, each only if stale. The view is written even when the merge fails (it needs only the
+    traces). Returns what failed, each message naming the cause and the fix (a failed merge is
+    also recorded in its merge.json); empty when all is done or was up to date."""
     store = TraceStore(root)
-    if load_manifest(store, step).status in ("complete", "partial"):
+    if load_manifest(store, step).status not in ("complete", "partial"):
+        return []  # still recording or exporting: the refresh that settles it merges again
+    failed = []
+    try:
         merge_step(store, step, only_if_stale=True)
-    # else still recording or exporting: the refresh that settles it merges again
+    except MergeError as e:
+        failed.append(str(e))
+    try:
+        build_tool_view(store, step, only_if_stale=True)
+    except ViewError as e:
+        failed.append(str(e))
+    return failed
 
 
 def main(argv: list[str]) -> int:
     os.nice(19)  # below the producers: a background merge must not slow a training or serving step
     root, step = Path(argv[0]), int(argv[1])
-    try:
-        merge_if_settled(root, step)
-    except MergeError as e:
-        print(e, file=sys.stderr)
-        return 1
-    return 0
+    failed = merge_if_settled(root, step)
+    for message in failed:
+        print(message, file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

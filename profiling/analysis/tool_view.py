@@ -14,10 +14,14 @@ and every engine profiler that writes `distributedInfo` writes its own process g
 then replicas by id; a process's files in manifest order). A trace that already says exactly that
 is linked (a relative symlink, no copy); any other is rewritten: its header's `distributedInfo` is
 replaced (or added), the events copied as they are, gzip level 1 (a stream, one event's memory).
+Last, `view.record` (not a name either tool reads) records the view and the step's records
+digest: a view whose digest is current is not rebuilt by `only_if_stale`, as the background merge
+asks (`background_merge`: every settled step gets its view without a command).
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -27,13 +31,20 @@ from pathlib import Path
 from typing import Literal
 
 from isal import igzip
-from pydantic import BaseModel
+from pydantic import ValidationError
 
 from profiling.analysis.events import HEAD_BYTES, open_binary
 from profiling.analysis.sources import TraceInput, find_inputs, load_manifest
-from profiling.store import TraceStore
+from profiling.config import StrictModel
+from profiling.store import TraceStore, atomic_write_text
 
 VIEW_DIR = "ranks"
+VIEW_RECORD = "view.record"
+"""The view's record (a ToolView, JSON) in `ranks/`, written last: neither HTA (`*.json`, `*.gz`)
+nor the plugin (`*.pt.trace.json[.gz]`) takes it for a trace."""
+VIEW_LOCK = ".view.lock"
+"""Serialises the step's view builders (the background merge of the app and of the trainer, the
+command): each checks the digest after taking it, and two renames never race."""
 GZIP_LEVEL = 1
 """A rewrite recompresses the whole trace: ISA-L's level 1, many times faster than torch's zlib 9."""
 _CHUNK = 1 << 20
@@ -43,7 +54,12 @@ _HTA_RANK = re.compile(rb'"rank":[^\S\n]+(\d+)')
 without a space, is no rank to it)."""
 
 
-class ViewFile(BaseModel):
+class ViewError(OSError):
+    """The view was not written; the message names the cause and the fix. The step's traces are
+    intact (the view only reads them). An OSError, as the writes that fail are."""
+
+
+class ViewFile(StrictModel):
     """One trace in the view."""
 
     rank: int
@@ -58,11 +74,13 @@ class ViewFile(BaseModel):
     a copy whose `distributedInfo` was replaced or added."""
 
 
-class ToolView(BaseModel):
-    """What `build_tool_view` wrote."""
+class ToolView(StrictModel):
+    """What `build_tool_view` wrote (also its `view.record`)."""
 
     step: int
     directory: str
+    digest: str
+    """The step's records digest (`TraceStore.records_digest`) the view was built from."""
     world_size: int
     files: list[ViewFile]
     skipped: list[str]
@@ -72,38 +90,69 @@ class ToolView(BaseModel):
     duration_s: float
 
 
-def build_tool_view(store: TraceStore, step: int) -> ToolView:
+def build_tool_view(store: TraceStore, step: int, *, only_if_stale: bool = False) -> ToolView | None:
     """(Re)write `step_<k>/ranks/` from the step's records; any earlier view is replaced whole,
     and a reader never sees a half-written one (built aside, then renamed into place). The step
-    is held while the view is written (`TraceStore.writing`), so retention keeps it meanwhile."""
+    is held while the view is written (`TraceStore.writing`), so retention keeps it meanwhile.
+    `only_if_stale`: return None without writing when the view was built from the same records
+    (its record's digest matches) and every file of it is still there. StepNotFound for no such
+    step; ViewError for any failure to write it."""
     began = time.monotonic()
     step_dir = store.step_dir(step)
-    inputs, skipped = find_inputs(step_dir, load_manifest(store, step))
-    with store.writing(step):
-        files, rewritten = _write_view(step_dir, inputs)
-    return ToolView(
-        step=step,
-        directory=str(step_dir / VIEW_DIR),
-        world_size=len(inputs),
-        files=files,
-        skipped=skipped,
-        rewritten_bytes=rewritten,
-        duration_s=round(time.monotonic() - began, 3),
-    )
+    load_manifest(store, step)  # StepNotFound before any lock file is made
+    try:
+        with store.writing(step), open(step_dir / VIEW_LOCK, "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            digest = store.records_digest(step)
+            if only_if_stale and _is_current(step_dir / VIEW_DIR, digest):
+                return None
+            inputs, skipped = find_inputs(step_dir, load_manifest(store, step))
+            files, rewritten = _write_view(step_dir, inputs)
+            view = ToolView(
+                step=step,
+                directory=str(step_dir / VIEW_DIR),
+                digest=digest,
+                world_size=len(inputs),
+                files=files,
+                skipped=skipped,
+                rewritten_bytes=rewritten,
+                duration_s=round(time.monotonic() - began, 3),
+            )
+            # Last: a view without its record (a build cut short here) is stale, so rebuilt.
+            atomic_write_text(step_dir / VIEW_DIR / VIEW_RECORD, view.model_dump_json(indent=2))
+    except Exception as e:  # every failure of the view is reported as one, naming the fix
+        raise ViewError(
+            f"step {step}'s ranks view not written ({type(e).__name__}: {e}); the step's traces are intact, "
+            f"the view only reads them: fix that, then run `python -m profiling ranks {store.root} --step {step}`"
+        ) from e
+    return view
+
+
+def _is_current(view: Path, digest: str) -> bool:
+    """Whether the view at `view` was built from the records of `digest` and is all there (every
+    file present, a link's trace too). A record that cannot be read is stale: it is rebuilt."""
+    try:
+        record = ToolView.model_validate_json((view / VIEW_RECORD).read_bytes())
+    except (OSError, ValidationError):
+        return False
+    return record.digest == digest and all((view / f.name).exists() for f in record.files)
 
 
 def _write_view(step_dir: Path, inputs: list[TraceInput]) -> tuple[list[ViewFile], int]:
-    """Build `ranks/` aside and rename it into place; returns its files and the bytes rewritten."""
+    """Build `ranks/` aside and rename it into place; returns its files and the bytes rewritten.
+    OSError, before anything is written, when the copies would not fit on the step's disk."""
     view = step_dir / VIEW_DIR
+    names = _names(inputs)
+    infos = [{"rank": rank, "world_size": len(inputs)} for rank in range(len(inputs))]
+    links = [_says(inp.path, info) for inp, info in zip(inputs, infos, strict=True)]
+    _check_room(step_dir, sum(inp.size for inp, link in zip(inputs, links, strict=True) if not link))
     building = step_dir / f".{VIEW_DIR}.{os.getpid()}.tmp"
     shutil.rmtree(building, ignore_errors=True)
     building.mkdir()
     files, rewritten = [], 0
     try:
-        names = _names(inputs)
-        for rank, (inp, name) in enumerate(zip(inputs, names, strict=True)):
-            info = {"rank": rank, "world_size": len(inputs)}
-            if _says(inp.path, info):
+        for rank, (inp, name, info, link) in enumerate(zip(inputs, names, infos, links, strict=True)):
+            if link:
                 (building / name).symlink_to(os.path.relpath(inp.path, view))
                 how: Literal["link", "rewritten"] = "link"
             else:
@@ -122,6 +171,17 @@ def _write_view(step_dir: Path, inputs: list[TraceInput]) -> tuple[list[ViewFile
         shutil.rmtree(building, ignore_errors=True)
         raise
     return files, rewritten
+
+
+def _check_room(step_dir: Path, need: int) -> None:
+    """OSError unless the rewritten copies (about their traces' size on disk) fit: a view must
+    not fill the disk the next step's traces are exported to."""
+    free = shutil.disk_usage(step_dir).free
+    if free < need:
+        raise OSError(
+            f"{step_dir.name} has {free / 2**20:.1f} MiB free and the view needs about {need / 2**20:.1f} MiB "
+            "for the traces it rewrites; free disk space"
+        )
 
 
 def _process(inp: TraceInput) -> str:

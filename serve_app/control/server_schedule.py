@@ -38,7 +38,8 @@ class ServerSchedule:
 
     def __init__(self, fleet: Fleet, profile: ProfileControl, args: AppArgs):
         cfg = args.global_profiler
-        self._schedule = None if cfg is None else StepSchedule(cfg.steps, cfg.profile_continuous_steps)
+        # verl's block may name no steps, or tool: null (off): then the app drives nothing.
+        self._schedule = StepSchedule(cfg.steps, cfg.profile_continuous_steps) if cfg and cfg.drives else None
         self._fleet = fleet
         self._profile = profile
         self._args = args

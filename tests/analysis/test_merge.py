@@ -17,6 +17,7 @@ from profiling.analysis.auto import MERGE_COMMAND
 from profiling.analysis.background_merge import merge_if_settled
 from profiling.analysis.merge import CONTROL_PID, MergeError, merge_step
 from profiling.analysis.sources import StepNotFound
+from profiling.analysis.tool_view import VIEW_DIR, VIEW_RECORD
 from profiling.store import MERGED_TRACE, TraceStore
 
 from .synth import BASE_NS, T0_NS, Proc, forward, write_step
@@ -313,9 +314,10 @@ def test_store_merges_in_the_background_when_a_step_settles(tmp_path):
 def test_a_background_merge_merges_only_settled_stale_steps(store):
     write_step(store, 1, interleaved({"r0": 0, "r1": 0, "trainer": 0}), stopped=False)
     write_step(store, 2, interleaved({"r0": 0, "r1": 0, "trainer": 0}))
-    merge_if_settled(store.root, 1)
-    merge_if_settled(store.root, 2)
+    assert merge_if_settled(store.root, 1) == [] and merge_if_settled(store.root, 2) == []
     assert not (store.step_dir(1) / MERGED_TRACE).exists() and (store.step_dir(2) / MERGED_TRACE).is_file()
+    # The ranks view comes with the merge (docs/analysis.md#trace-tools), of the settled step only.
+    assert not (store.step_dir(1) / VIEW_DIR).exists() and (store.step_dir(2) / VIEW_DIR / VIEW_RECORD).is_file()
     before = (store.step_dir(2) / MERGED_TRACE).stat().st_mtime_ns
     merge_if_settled(store.root, 2)
     assert (store.step_dir(2) / MERGED_TRACE).stat().st_mtime_ns == before  # up to date: not redone

@@ -3,13 +3,18 @@ TensorBoard's profiler plugin (its own loader classes, no server).
 
 The step is recorded by ProfileSession with torch.profiler: two replicas while a one-process gloo
 group is up, so Kineto writes each its own `distributedInfo` saying rank 0 (as vLLM's
-single-GPU workers do), and a trainer rank without one. docs/analysis.md#trace-tools.
+single-GPU workers do), and a trainer rank without one. The view is loaded as the background
+merge of a producer's store leaves it (no `ranks` command) and as the command rebuilds it.
+docs/analysis.md#trace-tools.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import shutil
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -23,15 +28,26 @@ from torch_tb_profiler import consts
 from torch_tb_profiler import io as tb_io
 from torch_tb_profiler.plugin import TorchProfilerPlugin
 from torch_tb_profiler.profiler import RunLoader
+from typer.testing import CliRunner
 
+from profiling.analysis import tool_view
+from profiling.analysis.auto import MERGE_COMMAND, AutoMerger
+from profiling.analysis.background_merge import merge_if_settled
 from profiling.analysis.events import open_binary
-from profiling.analysis.tool_view import VIEW_DIR, build_tool_view
+from profiling.analysis.tool_view import VIEW_DIR, VIEW_LOCK, VIEW_RECORD, ToolView, ViewError, build_tool_view
+from profiling.cli import EXIT_FAILED, app
 from profiling.config import ProfileOptions
 from profiling.manifest import ManifestEntry, SessionRecord
 from profiling.session import ProfileSession
-from profiling.store import ENTRY_FILE, LEGACY_ENTRY_FILE, TraceStore
+from profiling.store import ENTRY_FILE, LEGACY_ENTRY_FILE, MERGED_TRACE, TraceStore
 
 PROCESSES = ["trainer/rank_0", "rollout/r0", "rollout/r1"]
+NAMES = [
+    "rank0-trainer-rank_0.pt.trace.json.gz",
+    "rank1-rollout-r0.pt.trace.json.gz",
+    "rank2-rollout-r1.pt.trace.json.gz",
+]
+TRACES = [f"{p}/trace.pt.trace.json.gz" for p in PROCESSES]
 
 
 @pytest.fixture(scope="module")
@@ -182,7 +198,8 @@ def test_rebuilding_replaces_the_view_whole(recorded, view):
     stale = Path(view.directory) / "rank9-gone.pt.trace.json.gz"
     stale.write_bytes(b"")
     again = build_tool_view(recorded, 1)
-    assert sorted(p.name for p in Path(again.directory).iterdir()) == sorted(f.name for f in again.files)
+    names = [VIEW_RECORD, *(f.name for f in again.files)]
+    assert sorted(p.name for p in Path(again.directory).iterdir()) == sorted(names)
     assert not any(p.name.startswith(f".{VIEW_DIR}.") for p in recorded.step_dir(1).iterdir())
 
 
@@ -192,3 +209,134 @@ def test_steps_written_with_entry_json_are_still_read(recorded, tmp_path):
     for p in old.step_dir(1).glob(f"*/*/{ENTRY_FILE}"):
         p.rename(p.with_name(LEGACY_ENTRY_FILE))
     assert {e.replica_id or f"rank {e.rank}" for e in old.read_entries(1)} == {"r0", "r1", "rank 0"}
+
+
+# -- the view as the background merge leaves it ------------------------------------------------------
+
+
+def _copy_step(recorded: TraceStore, root: Path) -> TraceStore:
+    """Step 1's records and traces under a fresh save_path, without any view or merge."""
+    store = TraceStore(root)
+    shutil.copytree(
+        recorded.step_dir(1), store.step_dir(1), ignore=shutil.ignore_patterns(VIEW_DIR, "merge*", ".*")
+    )
+    return store
+
+
+def _poll(what: str, done, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, f"{what} did not happen within {timeout_s:.0f} s"
+        time.sleep(0.1)
+
+
+def _traces(store: TraceStore) -> dict[str, bytes]:
+    return {rel: (store.step_dir(1) / rel).read_bytes() for rel in TRACES}
+
+
+def test_hta_loads_the_step_as_the_background_merge_left_it(recorded, tmp_path):
+    """A producer's store with merge_on_complete (the app's controller, the trainer) settles the
+    step; its background merge writes `ranks/` beside the merged timeline: HTA loads it as it is,
+    one rank per process, named after the process, with no `ranks` command run."""
+    store = _copy_step(recorded, tmp_path / "profile")
+    written = _traces(store)
+    producer = TraceStore(store.root, merge_on_complete=True)
+    assert producer.refresh_manifest(1).status == "complete"
+    record = store.step_dir(1) / VIEW_DIR / VIEW_RECORD
+    _poll("the background view of step 1", lambda: record.is_file() and store.read_manifest(1).merge is not None)
+
+    step_dir = store.step_dir(1)
+    assert store.read_manifest(1).merge.status == "ok" and (step_dir / MERGED_TRACE).is_file()
+    assert sorted(p.name for p in step_dir.iterdir() if not p.name.startswith(".")) == sorted(
+        ["manifest.json", "session.json", "merge.json", MERGED_TRACE, "rollout", "trainer", VIEW_DIR]
+    )  # docs/design.md#traces-on-disk
+    view = ToolView.model_validate_json(record.read_text())
+    assert view.digest == store.records_digest(1) and view.world_size == 3
+    assert [(f.rank, f.process, f.name) for f in view.files] == list(zip(range(3), PROCESSES, NAMES, strict=True))
+    assert sorted(p.name for p in (step_dir / VIEW_DIR).iterdir()) == sorted([VIEW_RECORD, *NAMES])
+
+    analyzer = TraceAnalysis(trace_dir=str(step_dir / VIEW_DIR))
+    assert sorted(analyzer.t.traces) == [0, 1, 2]
+    for rank, name in enumerate(NAMES):
+        assert Path(analyzer.t.trace_files[rank]).name == name
+        assert _forward_steps(analyzer, rank) == 6, name
+    assert _traces(store) == written  # the traces as exported: the view only reads them
+
+
+def test_the_background_merge_keeps_a_current_view_and_rebuilds_a_stale_one(recorded, tmp_path):
+    store = _copy_step(recorded, tmp_path / "profile")
+    view_dir = store.step_dir(1) / VIEW_DIR
+    assert merge_if_settled(store.root, 1) == []
+    built = {p.name: p.lstat().st_mtime_ns for p in view_dir.iterdir()}
+    assert set(built) == {VIEW_RECORD, *NAMES}
+
+    assert merge_if_settled(store.root, 1) == []  # the same records: nothing rewritten
+    assert {p.name: p.lstat().st_mtime_ns for p in view_dir.iterdir()} == built
+
+    (view_dir / NAMES[2]).unlink()  # a view file gone (by hand): rebuilt whole
+    assert merge_if_settled(store.root, 1) == []
+    assert sorted(p.name for p in view_dir.iterdir()) == sorted(built)
+
+    session = store.read_session(1)
+    store.write_session(1, session.model_copy(update={"tag": "changed"}))  # a record changed: rebuilt
+    assert merge_if_settled(store.root, 1) == []
+    assert ToolView.model_validate_json((view_dir / VIEW_RECORD).read_text()).digest == store.records_digest(1)
+
+
+def test_a_view_that_fails_in_the_background_is_logged_and_the_traces_kept(recorded, tmp_path, caplog):
+    """The child exits 1 naming the view, the cause and the command that rebuilds it; the producer
+    logs that; the merge and the traces are untouched."""
+    store = _copy_step(recorded, tmp_path / "profile")
+    written = _traces(store)
+    (store.step_dir(1) / VIEW_LOCK).mkdir()  # the view cannot be written
+    proc = subprocess.run(
+        [sys.executable, *MERGE_COMMAND, str(store.root), "1"], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert "step 1's ranks view not written (IsADirectoryError" in proc.stderr, proc.stderr
+    assert f"python -m profiling ranks {store.root} --step 1" in proc.stderr
+    assert store.read_manifest(1).merge.status == "ok" and (store.step_dir(1) / MERGED_TRACE).is_file()
+    assert not (store.step_dir(1) / VIEW_DIR).exists()
+    assert not [p.name for p in store.step_dir(1).iterdir() if p.name.startswith(f".{VIEW_DIR}.")]
+    assert _traces(store) == written
+
+    with caplog.at_level(logging.ERROR, logger="profiling.analysis.auto"):
+        AutoMerger(store.root)._run(1)  # what the producer's merge thread runs, here on this one
+    assert "background merge of step 1 failed (exit 1): step 1's ranks view not written" in caplog.text
+
+
+def test_a_view_that_would_not_fit_writes_nothing_and_keeps_the_last(recorded, tmp_path, monkeypatch):
+    store = _copy_step(recorded, tmp_path / "profile")
+    first = build_tool_view(store, 1)
+    before = sorted(p.name for p in Path(first.directory).iterdir())
+    usage = shutil.disk_usage(store.root)
+    need = sum(len(b) for b in _traces(store).values())  # every trace is rewritten
+    # A fake of a full disk (a real one cannot be made here): room for half the copies.
+    monkeypatch.setattr(tool_view.shutil, "disk_usage", lambda _: usage._replace(free=need // 2))
+    with pytest.raises(ViewError) as failed:
+        build_tool_view(store, 1)
+    message = str(failed.value)
+    mib = f"{need // 2 / 2**20:.1f} MiB free and the view needs about {need / 2**20:.1f} MiB"
+    assert f"step_1 has {mib} for the traces it rewrites" in message
+    assert "free disk space" in message
+    assert f"python -m profiling ranks {store.root} --step 1" in message
+    assert sorted(p.name for p in Path(first.directory).iterdir()) == before
+    assert not [p.name for p in store.step_dir(1).iterdir() if p.name.startswith(f".{VIEW_DIR}.")]
+
+
+def test_the_ranks_command_rebuilds_the_view_and_fails_naming_the_cause(recorded, tmp_path):
+    store = _copy_step(recorded, tmp_path / "profile")
+    assert merge_if_settled(store.root, 1) == []
+    runner = CliRunner()
+    res = runner.invoke(app, ["ranks", str(store.root), "--json"])
+    assert res.exit_code == 0, res.output
+    [view] = json.loads(res.stdout)
+    assert [f["name"] for f in view["files"]] == NAMES and view["digest"] == store.records_digest(1)
+    assert sorted(p.name for p in (store.step_dir(1) / VIEW_DIR).iterdir()) == sorted([VIEW_RECORD, *NAMES])
+
+    shutil.rmtree(store.step_dir(1) / VIEW_DIR)
+    (store.step_dir(1) / VIEW_LOCK).unlink()
+    (store.step_dir(1) / VIEW_LOCK).mkdir()
+    res = runner.invoke(app, ["ranks", str(store.root), "--step", "1"])
+    assert res.exit_code == EXIT_FAILED
+    assert "error: step 1's ranks view not written (IsADirectoryError" in res.stderr, res.stderr

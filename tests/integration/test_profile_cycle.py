@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from hta.trace_analysis import TraceAnalysis
 from integ_util import (
     check_entry_traces,
     complete,
@@ -25,6 +26,7 @@ from integ_util import (
     write_perturbed_weights,
 )
 
+from profiling.analysis.tool_view import VIEW_DIR, VIEW_RECORD
 from profiling.markers import format_weight_update, parse_forward_step
 
 pytestmark = pytest.mark.integration
@@ -82,6 +84,20 @@ def test_profile_cycle_writes_complete_manifest_and_traces(app, http):
     )
     assert merge["status"] == "ok" and (step_dir / "merged.trace.json.gz").is_file(), merge
     assert {a["key"] for a in merge["processes"]} == {f"rollout/{e['replica_id']}" for e in rollout}
+
+    # ... and writes the step's ranks view with it: HTA loads the step as the app left it, one rank
+    # per trace, replicas by id, no `python -m profiling ranks` run (docs/analysis.md#trace-tools).
+    view_dir = step_dir / VIEW_DIR
+    poll(lambda: (view_dir / VIEW_RECORD).is_file(), timeout=60, what=f"the background ranks view of step {step}")
+    expected = [
+        f"-rollout-{e['replica_id'].replace('.', '_')}" + (f"-{n}" if n else "") + ".pt.trace.json.gz"
+        for e in sorted(rollout, key=lambda e: e["replica_id"])
+        for n, _ in enumerate(e["files"])
+    ]
+    expected = [f"rank{r}{name}" for r, name in enumerate(expected)]
+    analyzer = TraceAnalysis(trace_dir=str(view_dir))
+    assert sorted(analyzer.t.traces) == list(range(len(expected))), analyzer.t.trace_files
+    assert [Path(analyzer.t.trace_files[r]).name for r in range(len(expected))] == expected
 
 
 def test_weight_update_between_profiled_steps_is_attributed_exactly(app, http, model_dir):

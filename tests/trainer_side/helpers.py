@@ -32,6 +32,7 @@ def training_config(app: Any, *overrides: str):
             "trainer.mini_batch_size=8",
             "trainer.trigger_parameter_sync_step=1",
             "rollout.max_tokens=8",
+            "global_profiler.tool=torch",  # verl's default tool null profiles nothing
             f"global_profiler.save_path={app.save_path}",
             f"trainer.weights_dir={app.weights_dir}",
             *overrides,

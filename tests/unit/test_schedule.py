@@ -102,6 +102,7 @@ def test_no_steps_profiles_nothing(continuous):
 
 
 def test_from_config_tool_none_profiles_nothing():
+    assert GlobalProfilerConfig().tool is None, "verl's default: profiling off unless a tool is named"
     cfg = GlobalProfilerConfig(tool=None, steps=[1, 2, 5])
     s = StepSchedule.from_config(cfg)
     assert s.windows == [] and s.begin() is None
@@ -114,7 +115,7 @@ def test_from_config_steps_none_profiles_nothing():
 
 
 def test_from_config_carries_steps_and_continuity():
-    cfg = GlobalProfilerConfig(steps=[5, 1, 2], profile_continuous_steps=True)
+    cfg = GlobalProfilerConfig(tool="torch", steps=[5, 1, 2], profile_continuous_steps=True)
     assert StepSchedule.from_config(cfg).windows == [(1, 2), (5,)]
 
 
