@@ -179,6 +179,20 @@ def _tool_here(value: Any) -> Any:
     return value
 
 
+VerlTool = Annotated[Tool | None, BeforeValidator(_tool_here)]
+"""A verl block's `tool`: one of this project's, or null (off); verl's other tools refused by name."""
+
+
+def relocate_note(relocate_results: bool | None, where: str) -> list[str]:
+    """The note for verl's `relocate_results: true` at `where` (a no-op here), or none."""
+    if not relocate_results:
+        return []
+    return [
+        f"{where}.relocate_results is true: nothing to relocate here, each step's traces already are in "
+        "one directory (save_path/step_<k>/); the key has no effect"
+    ]
+
+
 class VerlModel(StrictModel):
     """A verl config block: its keys by verl's names, `_target_` (verl's Hydra hint) included."""
 
@@ -420,20 +434,12 @@ class VerlProfilerKeys(VerlModel):
     def _hook_ranks(cls, ranks: list[int]) -> list[int]:
         return distinct_ranks(ranks, "finish_hook_ranks")
 
-    def relocate_note(self, where: str) -> list[str]:
-        if not self.relocate_results:
-            return []
-        return [
-            f"{where}.relocate_results is true: nothing to relocate here, each step's traces already are in "
-            "one directory (save_path/step_<k>/); the key has no effect"
-        ]
-
 
 class GlobalProfilerConfig(VerlProfilerKeys):
     """verl's `global_profiler` block as written (docs/configuration.md#verls-blocks), plus our
     `merge_on_complete`."""
 
-    tool: Annotated[Tool | None, BeforeValidator(_tool_here)] = Field(
+    tool: VerlTool = Field(
         None,
         description="The profiler (torch, npu or nsys); null (verl's default): profiling off whatever "
         "steps says. verl's torch_memory and precision_debugger are refused. The trainer's "
@@ -473,7 +479,8 @@ class GlobalProfilerConfig(VerlProfilerKeys):
                 f"{where}.steps is {self.steps} but {where}.tool is null: nothing is profiled (verl's "
                 f"meaning of tool: null); set {where}.tool: torch (or npu, nsys) to profile these steps"
             )
-        return out + self.relocate_note(where) + self.global_tool_config.notes(self.tool, f"{where}.global_tool_config")
+        out += relocate_note(self.relocate_results, where)
+        return out + self.global_tool_config.notes(self.tool, f"{where}.global_tool_config")
 
 
 def describe_validation_error(err: ValidationError, prefix: str = "") -> str:

@@ -24,10 +24,10 @@ from profiling.config import (
     ProfileOptions,
     StepNumber,
     StrictModel,
-    Tool,
     VerlProfilerKeys,
+    VerlTool,
     VerlToolConfigs,
-    _tool_here,
+    relocate_note,
 )
 from profiling.weight_source import WeightSource, read_old_spelling
 from serve_app.engines.options import Capability, EngineOptions
@@ -55,7 +55,7 @@ class AppSchedule(VerlProfilerKeys):
     verl's block is accepted as written (docs/configuration.md#verls-blocks); the app records
     with its `profiler` settings."""
 
-    tool: Annotated[Tool | None, BeforeValidator(_tool_here)] = None
+    tool: VerlTool = None
     """Left out: the app's profiler.tool. Written: null (verl's default) is profiling off, whatever
     steps says; a tool must be the app's profiler.tool (verl's torch_memory and precision_debugger
     are refused)."""
@@ -240,7 +240,7 @@ class _AppArgs(StrictModel):
             )
         if not g.drives:
             return out
-        out += g.relocate_note(where)
+        out += relocate_note(g.relocate_results, where)
         if g.save_path is not None and Path(g.save_path).expanduser().resolve() != Path(self.save_path):
             out.append(
                 f"{where}.save_path is {g.save_path!r}, which is not implemented here: the app's traces go under "

@@ -18,6 +18,7 @@ from profiling.config import (
     VerlToolConfigs,
     describe_validation_error,
     distinct_ranks,
+    relocate_note,
 )
 from profiling.weight_source import WeightSource, read_old_spelling
 
@@ -266,7 +267,6 @@ class TrainerConfig(StrictModel):
             )
         return self
 
-
     def _hook_ranks(self) -> list[int]:
         p, g = self.profiler, self.global_profiler
         return p.finish_hook_ranks if p.finish_hook_ranks is not None else g.finish_hook_ranks
@@ -299,16 +299,13 @@ class TrainerConfig(StrictModel):
         if not g.profiles:
             return out
         out += p.tool_config.notes(g.tool, "profiler.tool_config")
-        if p.relocate_results:
-            out += ["profiler.relocate_results is true: nothing to relocate here, each step's traces already are "
-                    "in one directory (save_path/step_<k>/); the key has no effect"]
+        out += relocate_note(p.relocate_results, "profiler")
         if p.save_path is not None and Path(p.save_path).resolve() != Path(g.save_path).resolve():
             out.append(
                 f"profiler.save_path is {p.save_path!r}, which is not implemented here: the trainer's traces go "
                 f"under global_profiler.save_path ({g.save_path!r}), beside the rollout's; the key has no effect"
             )
-        hook = p.finish_hook_cmd if "finish_hook_cmd" in p.model_fields_set else g.finish_hook_cmd
-        if hook and (selected := self.finish_hook()) is not None and not selected.ranks:
+        if (selected := self.finish_hook()) is not None and not selected.ranks:
             out.append(
                 "finish_hook_cmd is set but selects no trainer rank (profiler.enable is false and neither "
                 "finish_hook_ranks nor finish_hook_all_ranks is set): it does not run; set finish_hook_ranks"
