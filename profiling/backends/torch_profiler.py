@@ -8,6 +8,8 @@ import functools
 import logging
 import os
 import shutil
+import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -67,18 +69,60 @@ def quiet_kineto_env() -> None:
         os.environ.setdefault(key, value)
 
 
+KINETO_THREAD_LINE = b"External init callback must run in same thread as registerClient"
+"""What Kineto prints, with `fprintf(stderr, "ERROR: ...")` and whatever its log level, when it
+initialises on a thread other than the one that loaded torch (see init_kineto)."""
+
+
+@contextlib.contextmanager
+def _stderr_without(line: bytes) -> Iterator[None]:
+    """While inside, pass this process's stderr (file descriptor 2, which C++ writes to) through a
+    pipe whose reader drops the lines holding `line` and forwards every other line, in order.
+    Unfiltered where descriptor 2 cannot be duplicated."""
+    try:
+        saved = os.dup(2)
+    except OSError:
+        yield
+        return
+    read_end, write_end = os.pipe()
+    reader = threading.Thread(target=_forward_lines, args=(read_end, saved, line), daemon=True)
+    reader.start()
+    sys.stderr.flush()
+    os.dup2(write_end, 2)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(write_end)
+        # A process forked meanwhile holds the pipe open until it exits: the reader then goes on
+        # forwarding without this thread waiting for it.
+        reader.join(timeout=2.0)
+
+
+def _forward_lines(read_end: int, out: int, dropped: bytes) -> None:
+    """Copy lines from `read_end` to `out` until the pipe closes, leaving out those that hold
+    `dropped`; then close both."""
+    with os.fdopen(read_end, "rb") as pipe, os.fdopen(out, "wb", buffering=0) as sink:
+        for text in pipe:
+            if dropped not in text:
+                sink.write(text)
+
+
 @functools.cache
 def init_kineto() -> None:
-    """Initialise Kineto on this thread with an empty recording (about 1 s on CPU, once per
-    process, otherwise paid by the first profiled step's start). Call it on the thread that
-    imported torch (a process's main thread) before a profiler starts on another thread.
+    """Initialise Kineto in this process with an empty recording (about 1 s on CPU, once per
+    process); TorchProfilerBackend's first start calls it, and a process may call it earlier, on
+    any thread, so that the first profiled step's start does not pay it.
 
     Loading torch registers its client with Kineto on the loading thread; Kineto initialises at
-    the first profiler start and, when that start is on another thread (the trainer's model
-    thread), prints `ERROR: External init callback must run in same thread as registerClient`:
-    harmless (torch's client has nothing to initialise), but it reads as a failure."""
+    the first profiler start and, when that start is on another thread (a Serve replica's
+    user-code thread, while Ray loaded torch on its own; the trainer's model thread), prints
+    `ERROR: External init callback must run in same thread as registerClient` to stderr,
+    unfiltered by KINETO_LOG_LEVEL: harmless (torch's client has nothing to initialise), but it
+    reads as a failure. That line alone is dropped from stderr while Kineto initialises."""
     if torch.autograd.kineto_available():
-        with profile(activities=[ProfilerActivity.CPU]):
+        with _stderr_without(KINETO_THREAD_LINE), profile(activities=[ProfilerActivity.CPU]):
             pass
 
 
@@ -153,6 +197,7 @@ class TorchProfilerBackend(ProfilerBackend):
     def _start(self) -> None:
         if "cuda" in self.options.activities and not torch.cuda.is_available():
             raise RuntimeError("activities include 'cuda' but torch sees no CUDA device; use activities: [cpu]")
+        init_kineto()
         self._prof = profile(
             activities=[_ACTIVITIES[a] for a in self.options.activities],
             record_shapes=self.options.record_shapes,
