@@ -406,6 +406,9 @@ def _print_summary(s: StepSummary, top: int) -> None:
             ",".join(a.source for a in p.alignment) or "-",
         )
     out.print(table)
+    for p in s.processes:
+        if p.kept:
+            out.print(f"{p.key}: {p.kept}", markup=False)
     k = s.skew
     out.print(
         f"replicas {k.replicas}: start spread {_ms(k.start_spread_ms)} ms, stop spread {_ms(k.stop_spread_ms)} ms, "

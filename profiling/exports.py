@@ -112,6 +112,7 @@ class Exports:
             entry.bytes = sum(p.stat().st_size for p in paths)
             if trace.forward_steps is not None:
                 entry.forward_steps = trace.forward_steps
+                entry.forward_steps_in_window = trace.forward_steps_in_window
             if trace.weight_versions is not None:
                 entry.weight_versions = trace.weight_versions
             entry.auto_stopped = entry.auto_stopped or trace.auto_stopped

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, computed_field, model_validator
 
 from profiling.config import ProfileOptions
 from profiling.markers import FORWARD_STEP
@@ -179,6 +179,12 @@ class ManifestEntry(BaseModel):
     started_at: float | None = None
     stopped_at: float | None = None
     forward_steps: int = 0
+    """Forward steps recorded in the trace (engine iterations on a replica)."""
+    forward_steps_in_window: int | None = Field(None, ge=0)
+    """Forward steps the process ran from the window's start to its stop, recorded or not: more
+    than `forward_steps` when a cap (`auto_stopped`) ended the recording first. Set at the stop
+    (None: not counted, as by an engine whose own profiler counts only what it recorded, or
+    while the window is still open)."""
     trace_dialect: TraceDialect = TraceDialect()
     """How the entry's traces name forward passes and carry their weight versions (entries written
     before the field: this project's markers)."""
@@ -222,9 +228,43 @@ class ManifestEntry(BaseModel):
     does not count its passes). A step profiled with pause has 0 (docs/design.md#exact-attribution)."""
     error: str | None = None
 
+    @model_validator(mode="after")
+    def _counts_consistent(self) -> ManifestEntry:
+        if self.forward_steps_in_window is not None and self.forward_steps_in_window < self.forward_steps:
+            raise ValueError(
+                f"forward_steps_in_window {self.forward_steps_in_window} is below the {self.forward_steps} "
+                "forward steps recorded: the window ran at least the steps its trace holds"
+            )
+        return self
+
     @property
     def key(self) -> str:
         return f"{self.role}/{self.replica_id if self.role == 'rollout' else f'rank_{self.rank}'}"
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def kept(self) -> str | None:
+        """In plain words, how much of the window the trace holds when it is not all of it (a
+        cap stopped the recording early, or the trace was cut to its budget); None: all of it."""
+        kept = self.forward_steps_kept if self.truncated and self.forward_steps_kept is not None else self.forward_steps
+        reasons, limits = [], []
+        if self.auto_stopped is not None:
+            reasons.append(f"{self.auto_stopped} stopped the recording")
+            limits.append(self.auto_stopped)
+        if self.truncated:
+            reasons.append("the trace was cut to max_trace_mb")
+            limits.append("max_trace_mb")
+        if not reasons:
+            return None
+        why = " and ".join(reasons)
+        ran = self.forward_steps_in_window
+        if ran is None and self.auto_stopped is not None:
+            return f"kept {kept:,} forward steps: {why}; the steps run after it are not counted"
+        total = self.forward_steps if ran is None else ran
+        if kept >= total:
+            return None
+        fix = " or ".join(dict.fromkeys(limits))  # max_trace_mb may be both
+        return f"kept {kept:,} of {total:,} forward steps: {why}; raise {fix} (null: no limit) to keep them all"
 
 
 class SessionRecord(BaseModel):

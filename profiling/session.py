@@ -87,6 +87,7 @@ class ProfileSession:
         self._backend: ProfilerBackend | None = None
         self._entry: ManifestEntry | None = None
         self._deadline: float | None = None
+        self._steps_after_cap = 0
         self._exports = Exports(store, exporter)
         self._versions = VersionWindows()
 
@@ -160,6 +161,7 @@ class ProfileSession:
             raise
         self._exports.restart(spec.step)
         self._spec, self._backend, self._entry, self._state = spec, backend, entry, "profiling"
+        self._steps_after_cap = 0
         self._versions.started(spec.step, weight_version)
         limit = spec.options.max_duration_s
         self._deadline = time.monotonic() + limit if limit else None
@@ -176,10 +178,13 @@ class ProfileSession:
             return outcome
         if self._spec.step != step:
             raise SessionConflict(f"step {step} is not being profiled (active step: {self._spec.step})")
-        assert self._entry is not None
+        assert self._entry is not None and self._backend is not None
         was_recording = self._state == "profiling"
+        counted_here = not self._backend.counts_forward_steps
         if was_recording:
             self._entry.stopped_at = time.time()
+            if counted_here:
+                self._entry.forward_steps_in_window = self._entry.forward_steps
         outcome = StopOutcome(
             step=step,
             stopped=True,
@@ -200,11 +205,17 @@ class ProfileSession:
         if pending is not None:
             assert backend is not None
             self._exports.finish(spec.step, spec.options, backend, entry, pending)
+        else:  # capped: the steps run since the cap are known now (an engine's own count ended at it)
+            ran = entry.forward_steps + self._steps_after_cap if counted_here else None
+            self._exports.annotate(step, forward_steps_in_window=ran)
         return outcome
 
     @contextlib.contextmanager
     def forward_step(self, weight_version: int) -> Iterator[None]:
-        """Wrap one engine step: a trace range naming the step and weight version, counted."""
+        """Wrap one engine step: a trace range naming the step and weight version, counted (after
+        a cap, only counted)."""
+        if self._state == "capped":
+            self._steps_after_cap += 1
         if self._state != "profiling":
             yield
             return

@@ -78,6 +78,7 @@ def write_step_report(store: TraceStore, summary: StepSummary) -> Path:
         *_breakdown_section(summary),
         "<h2>Processes</h2>",
         _processes_table(summary.processes),
+        *_kept_notes(summary.processes),
         "<h2>Across replicas</h2>",
         _skew_table(summary),
         "<h2>Weight sync (trainer's control calls)</h2>",
@@ -147,6 +148,11 @@ def _processes_table(processes: list[ProcessSummary]) -> str:
         for p in processes
     ]
     return "<table>" + head + "".join(rows) + "</table>"
+
+
+def _kept_notes(processes: list[ProcessSummary]) -> list[str]:
+    """One line per process whose trace holds less than its window ran."""
+    return [f'<p class="note kept"><b>{_e(p.key)}</b>: {_e(p.kept)}</p>' for p in processes if p.kept]
 
 
 def _skew_table(s: StepSummary) -> str:

@@ -93,6 +93,9 @@ class ProcessSummary(BaseModel):
     trace_files: int = 0
     events: int = 0
     forward_steps: int = 0
+    kept: str | None = None
+    """The entry's note when the trace holds fewer forward steps than the window ran (a cap, a cut):
+    "kept 200 of 3,412 forward steps: …" (`ManifestEntry.kept`)."""
     forward_ms: float = 0.0
     forward_mean_ms: float | None = None
     forward_max_ms: float | None = None
@@ -214,6 +217,7 @@ class _ProcessReader:
             status=entry.status,
             error=entry.error,
             weight_versions=entry.weight_versions,
+            kept=entry.kept,
             started_at=None if entry.started_at is None else reference_s(entry, entry.started_at),
             stopped_at=None if entry.stopped_at is None else reference_s(entry, entry.stopped_at),
             overhead=Overhead(

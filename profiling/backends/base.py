@@ -6,6 +6,7 @@ import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from pathlib import Path
+from typing import ClassVar
 
 from profiling.config import ProfileOptions
 from profiling.manifest import AutoStop, ClockSample, TraceDialect
@@ -21,6 +22,9 @@ class RecordedTrace(ABC):
 
     forward_steps: int | None = None
     """Engine steps found in the trace by `export`, for tools that cannot count them live."""
+    forward_steps_in_window: int | None = None
+    """With `forward_steps`: the engine steps run from the recording's start to its stop,
+    recorded or not (None: the engine does not count those it did not record)."""
     trace_bytes: int | None = None
     """Size of the trace's JSON as exported, before compression and any cut (None: the export
     does not measure it)."""
@@ -46,6 +50,9 @@ class ProfilerBackend(ABC):
     trace_dialect: TraceDialect = TraceDialect()
     """How this profiler's traces name forward passes (written into the entry): this project's
     markers, unless an engine's own profiler records."""
+    counts_forward_steps: ClassVar[bool] = False
+    """True: the engine counts its forward steps itself (its trace's counts replace the
+    session's, which sees none); False: the session counts them (`forward_step`)."""
 
     def __init__(self, options: ProfileOptions):
         self.options = options

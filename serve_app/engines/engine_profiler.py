@@ -81,6 +81,7 @@ class EngineProfiler(ProfilerBackend):
     """One recording of an engine-owned profiler. Runs on the engine's control thread; the
     engine's calls are coroutines and run on the replica's event loop (`loop`)."""
 
+    counts_forward_steps = True
     step_range: ClassVar[str | None] = None
     """Name prefix of the range that marks one engine step in the engine's Chrome trace
     (`profiling.step_ranges`); None: the engine's traces do not show steps."""

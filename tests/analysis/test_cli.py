@@ -36,9 +36,7 @@ def procs(step: int) -> list[Proc]:
             r,
             os_pid=10 + i,
             events=[
-                e
-                for k in range(3)
-                for e in forward(k, step, step - 1, (k + 1) * MS, 300.0, [("aten::mm", 100.0)])
+                e for k in range(3) for e in forward(k, step, step - 1, (k + 1) * MS, 300.0, [("aten::mm", 100.0)])
             ],
             window=(0, 10 * MS),
             weight_version=step - 1,
@@ -140,9 +138,7 @@ def test_failed_merge_exits_1_and_names_the_cause(saved):
 
 
 def test_module_entry_point_runs():
-    proc = subprocess.run(
-        [sys.executable, "-m", "profiling", "--help"], capture_output=True, text=True, timeout=60
-    )
+    proc = subprocess.run([sys.executable, "-m", "profiling", "--help"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "merge" in proc.stdout and "Exit codes" in proc.stdout
 
 
@@ -272,3 +268,23 @@ def test_app_command_exit_codes(fake_app):
     res = run("status", "--url", "http://127.0.0.1:9", "--timeout", "5")
     assert res.exit_code == EXIT_UNREACHABLE and "cannot reach the app" in res.stderr
     assert run("start", "--url", fake_app, "--step", "0").exit_code == EXIT_USAGE
+
+
+def test_a_capped_window_says_what_it_kept_in_summarize_and_the_report(saved):
+    [capped] = [e for e in saved.read_entries(1) if e.replica_id == "r0"]
+    saved.write_entry(
+        1, capped.model_copy(update={"auto_stopped": "max_forward_steps", "forward_steps_in_window": 3412})
+    )
+    saved.refresh_manifest(1)
+    said = "kept 3 of 3,412 forward steps: max_forward_steps stopped the recording"
+    r = run("summarize", str(saved.root), "--step", "1")
+    assert r.exit_code == EXIT_OK, r.output
+    assert f"rollout/r0: {said}" in r.output.replace("\n", " ") and "rollout/r1:" not in r.output
+    by_key = {
+        p["key"]: p
+        for p in json.loads(run("summarize", str(saved.root), "--step", "1", "--json").output)[0]["processes"]
+    }
+    assert by_key["rollout/r0"]["kept"].startswith(said) and by_key["rollout/r1"]["kept"] is None
+    assert run("report", str(saved.root)).exit_code == EXIT_OK
+    html = (saved.step_dir(1) / "report.html").read_text()
+    assert f"<b>rollout/r0</b>: {said}" in html and "<b>rollout/r1</b>" not in html

@@ -225,15 +225,26 @@ def test_max_forward_steps_caps_the_recording(app, http):
         st = status(http)
         assert st["active_step"] == step  # a capped step stays active until stopped
         assert all(r["state"] == "capped" and r["forward_steps"] == cap for r in st["replicas"]), st
+        complete_concurrently(http, n=4, max_tokens=4)  # run after the cap: counted, not recorded
         stopped = ok(http.post("/profile/stop", json={"step": step}))
     finally:
         stop_if_active(http)
     assert all(r["ok"] and r["forward_steps"] == cap for r in stopped["replicas"]), stopped
-    manifest = wait_manifest(http, step, ("complete", "partial"))
+
+    def counted() -> dict | None:  # the stop adds the steps run since the cap, after its answer
+        m = wait_manifest(http, step, ("complete", "partial"))
+        return m if all(e["forward_steps_in_window"] is not None for e in m["entries"]) else None
+
+    manifest = poll(counted, timeout=30, what=f"step {step}'s entries to count the steps run after the cap")
     assert manifest["status"] == "complete" and manifest["tag"] == "capped"
     assert manifest["options"]["max_forward_steps"] == cap
     for e in manifest["entries"]:
         assert e["forward_steps"] == cap and e["auto_stopped"] == "max_forward_steps", e
+        ran = e["forward_steps_in_window"]
+        assert ran > cap and e["kept"] == (
+            f"kept {cap} of {ran:,} forward steps: max_forward_steps stopped the recording; "
+            "raise max_forward_steps (null: no limit) to keep them all"
+        ), e
         check_entry_traces(app.save_path / f"step_{step}", e, step)
 
 

@@ -181,6 +181,11 @@ def test_sglang_engine_against_fake_server_num_steps_caps_the_recording(app, htt
     for e in manifest["entries"]:
         assert e["status"] == "ok" and e["forward_steps"] == cap, e
         assert Path(e["files"][0]).name.startswith(f"step{step}-capped-v"), e
+        # SGLang counts only what it recorded: the entry says so instead of claiming the whole window
+        assert e["auto_stopped"] == "max_forward_steps" and e["forward_steps_in_window"] is None, e
+        assert e["kept"] == (
+            f"kept {cap} forward steps: max_forward_steps stopped the recording; the steps run after it are not counted"
+        ), e
 
 
 def stream_completion(http, **body) -> tuple[list[dict], bool]:

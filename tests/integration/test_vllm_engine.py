@@ -437,7 +437,10 @@ def test_vllm_start_of_another_step_conflicts_and_caps_end_the_window_in_the_wor
         stop_if_active(http)
     rollout = _check_step(vllm_app, http, 7, weight_version=1)
     assert all(e["forward_steps"] <= 2 for e in rollout), rollout
-    assert any(e["auto_stopped"] == "max_forward_steps" for e in rollout), rollout
+    capped = [e for e in rollout if e["auto_stopped"] == "max_forward_steps"]
+    assert capped, rollout
+    # a request of 8 tokens takes 8 iterations: the worker counted those after the cap too
+    assert all(e["forward_steps_in_window"] >= 8 and e["kept"].startswith("kept 2 of ") for e in capped), capped
 
 
 def test_vllm_records_with_each_starts_own_profiler_options(vllm_app, http):

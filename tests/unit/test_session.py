@@ -122,6 +122,7 @@ def test_full_cycle_trace_has_exactly_the_forward_steps(store, exporter, model, 
     assert final.status == "ok" and final.exporting is False and final.error is None
     assert final.bytes > 0 and final.export_s is not None and final.finalize_s is not None
     assert final.forward_steps == n and final.weight_versions == [2]
+    assert final.forward_steps_in_window == n and final.kept is None, "an uncapped window keeps every step"
     assert final.started_at >= t_start - 1 and final.stopped_at >= final.started_at
     assert final.files == out.files
 
@@ -185,7 +186,7 @@ def test_max_forward_steps_caps(store, exporter, model, spec):
     assert s.state == "profiling"
     run_steps(s, model, 1, weight_version=3)
     assert s.state == "capped" and s.active_step == 4
-    run_steps(s, model, 4, weight_version=3)  # beyond the cap: not counted, not recorded
+    run_steps(s, model, 4, weight_version=3)  # beyond the cap: not recorded, counted for the entry only
     assert s.forward_steps == 3
     assert s.start(spec(4, max_duration_s=None), weight_version=3) is False  # still the active step
     with pytest.raises(SessionConflict):
@@ -199,6 +200,14 @@ def test_max_forward_steps_caps(store, exporter, model, spec):
     path = store.step_dir(4) / final.files[0]
     assert names(path, "forward_step#") == [f"forward_step#{i} step=4 weight_version=3" for i in range(3)]
     assert s.state == "idle"
+    # The stop, after the export, adds the steps run after the cap to the entry on disk.
+    [on_disk] = store.read_entries(4)
+    assert on_disk.forward_steps_in_window == 7
+    assert on_disk.kept == (
+        "kept 3 of 7 forward steps: max_forward_steps stopped the recording; "
+        "raise max_forward_steps (null: no limit) to keep them all"
+    )
+    assert store.read_manifest(4).entries[0].kept == on_disk.kept
 
 
 def test_capped_export_starts_before_stop(store, exporter, model, spec):
@@ -230,6 +239,26 @@ def test_max_duration_caps_via_check_deadline(store, exporter, model, spec):
     final = s.wait_exported(2, timeout=WAIT)
     assert final.auto_stopped == "max_duration_s"
     assert len(names(store.step_dir(2) / final.files[0], "forward_step#")) == 2
+    [on_disk] = store.read_entries(2)
+    assert on_disk.forward_steps_in_window == 5 and on_disk.kept.startswith("kept 2 of 5 forward steps")
+
+
+def test_an_engine_that_counts_its_own_steps_gets_no_count_past_a_cap_of_the_session(store, exporter, spec):
+    class EngineCounted(TorchProfilerBackend):  # a fake engine-owned profiler: it counts its steps itself
+        counts_forward_steps = True
+
+    s = make_session(store, exporter, backend_factory=lambda spec: EngineCounted(spec.options))
+    s.start(spec(2, max_duration_s=0.05, max_forward_steps=None), weight_version=1)
+    time.sleep(0.1)
+    s.check_deadline()
+    assert s.state == "capped"
+    s.stop(2)
+    s.wait_exported(2, timeout=WAIT)
+    [on_disk] = store.read_entries(2)
+    assert on_disk.forward_steps_in_window is None, "the session saw none of the engine's steps: not counted"
+    assert on_disk.kept == (
+        "kept 0 forward steps: max_duration_s stopped the recording; the steps run after it are not counted"
+    )
 
 
 def test_max_duration_caps_after_a_forward_step(store, exporter, model, spec):
@@ -434,7 +463,6 @@ def test_failed_export_lists_no_missing_files(store, exporter, model, spec):
     assert final.status == "error"
     missing = [f for f in final.files if not (store.step_dir(2) / f).exists()]
     assert missing == []
-
 
 
 def test_export_frees_the_recorded_events_without_waiting_for_garbage_collection(tmp_path, model):

@@ -194,6 +194,7 @@ class SglangProfiler(EngineProfiler):
         self._between_segments = False  # a split stopped SGLang's recording and has not restarted it
         self._segment_files: set[Path] = set()  # the files on disk before the current segment began
         self._closed = False  # stopped (or capped): no segment starts again
+        self._num_steps_reached = False  # SGLang ended a recording itself, after num_steps
         self._lock = asyncio.Lock()  # a cap's stop from the control thread vs a split on the loop
 
     async def _engine_start(self) -> None:
@@ -218,6 +219,7 @@ class SglangProfiler(EngineProfiler):
             if e.status is None or not await self._auto_stopped():
                 raise
             log.info("SGLang had already stopped %s after num_steps engine steps", self.prefix)
+            self._num_steps_reached = True
             return False
         return True
 
@@ -248,7 +250,10 @@ class SglangProfiler(EngineProfiler):
             self._write_nsys_note()
 
     def _recorded(self) -> SglangTrace:
-        return SglangTrace(self.recorded_files())
+        trace = SglangTrace(self.recorded_files())
+        # SGLang counts only the steps it recorded: the entry says the cap ended it, uncounted after.
+        trace.auto_stopped = "max_forward_steps" if self._num_steps_reached else None
+        return trace
 
     async def _auto_stopped(self) -> bool:
         """Whether SGLang stopped this recording itself (num_steps reached), so /stop_profile

@@ -170,6 +170,7 @@ class WorkerTrace(RecordedTrace):
     def __init__(self, trace_dir: Path, prefix: str, ranks: int, stopped: WorkerStop):
         self._trace_dir, self._prefix, self._ranks = trace_dir, prefix, ranks
         self.forward_steps = stopped.forward_steps
+        self.forward_steps_in_window = stopped.forward_steps_in_window
         self.auto_stopped = stopped.auto_stopped
         self.weight_versions = stopped.weight_versions
 

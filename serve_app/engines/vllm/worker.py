@@ -77,6 +77,8 @@ class WorkerStop(BaseModel):
     """What a worker's stop returns: the window's forward passes and why it ended early."""
 
     forward_steps: int
+    forward_steps_in_window: int
+    """Forward passes from the start to this stop, recorded or not (more after a cap)."""
     auto_stopped: AutoStop | None = None
     weight_versions: list[int]
 
@@ -98,6 +100,8 @@ class _Window:
         self.step, self.options, self.prefix, self.trace_dir, self.rank = step, options, prefix, trace_dir, rank
         self.backend = TorchProfilerBackend(options)
         self.forward_steps = 0
+        self.steps_in_window = 0
+        """Forward passes from the start to the stop, recorded or run after the cap."""
         self.versions: list[int] = []
         self.auto_stopped: AutoStop | None = None
         self.stop_clock: ClockSample | None = None
@@ -127,6 +131,8 @@ class WorkerProfiler:
             v = self.version
             self.passes[v] = self.passes.get(v, 0) + 1
             window = self.window
+            if window is not None:
+                window.steps_in_window += 1
             if window is None or window.auto_stopped is not None:
                 return execute_model(scheduler_output)
             n = window.forward_steps
@@ -167,7 +173,10 @@ class WorkerProfiler:
         if window.auto_stopped is None:
             self._finish(window, None)
         return WorkerStop(
-            forward_steps=window.forward_steps, auto_stopped=window.auto_stopped, weight_versions=window.versions
+            forward_steps=window.forward_steps,
+            forward_steps_in_window=window.steps_in_window,
+            auto_stopped=window.auto_stopped,
+            weight_versions=window.versions,
         )
 
     def load_weights(self, version: int, load: Callable[[], None]) -> None:

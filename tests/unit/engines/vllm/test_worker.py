@@ -67,7 +67,7 @@ def test_each_iteration_is_one_range_with_step_and_version_and_all_passes_are_co
         execute(iteration())
     execute(iteration(tokens=0))  # no token scheduled: no forward pass, neither marked nor counted
     stopped = profiler.stop()
-    assert stopped == WorkerStop(forward_steps=3, auto_stopped=None, weight_versions=[3])
+    assert stopped == WorkerStop(forward_steps=3, forward_steps_in_window=3, auto_stopped=None, weight_versions=[3])
     execute(iteration())
     assert len(ran) == 6, "every call reaches vLLM's execute_model"
     assert profiler.passes == {3: 5} and profiler.recorded == {3: 3}
@@ -76,13 +76,15 @@ def test_each_iteration_is_one_range_with_step_and_version_and_all_passes_are_co
     assert markers(tmp_path / record.file) == [(0, 4, 3), (1, 4, 3), (2, 4, 3)]
 
 
-def test_max_forward_steps_ends_the_window_in_the_worker(tmp_path):
+def test_max_forward_steps_ends_the_recording_in_the_worker_and_the_passes_after_it_are_counted(tmp_path):
     profiler, (execute, _) = marked_worker()
     profiler.start(1, ProfileOptions(max_forward_steps=2), "step1", tmp_path)
     for _ in range(5):
         execute(iteration())
     assert profiler.clock("stop") is not None, "the sample taken when the window ended itself"
-    assert profiler.stop() == WorkerStop(forward_steps=2, auto_stopped="max_forward_steps", weight_versions=[0])
+    assert profiler.stop() == WorkerStop(
+        forward_steps=2, forward_steps_in_window=5, auto_stopped="max_forward_steps", weight_versions=[0]
+    ), "kept 2 of the 5 passes the window ran"
     assert profiler.recorded == {0: 2} and profiler.passes == {0: 5}
     assert [i for i, _, _ in markers(tmp_path / wait_record(tmp_path, "step1").file)] == [0, 1]
 
@@ -114,9 +116,9 @@ def test_a_second_start_and_a_stop_without_a_window_are_refused(tmp_path):
 def test_the_replica_moves_each_ranks_trace_once_its_record_is_written(tmp_path):
     engine_dir, out = tmp_path / "engine", tmp_path / "step_1" / "rollout" / "r0"
     engine_dir.mkdir()
-    stopped = WorkerStop(forward_steps=2, weight_versions=[0])
+    stopped = WorkerStop(forward_steps=2, forward_steps_in_window=7, weight_versions=[0])
     trace = WorkerTrace(engine_dir, "step1", ranks=2, stopped=stopped)
-    assert trace.forward_steps == 2 and trace.weight_versions == [0]
+    assert trace.forward_steps == 2 and trace.forward_steps_in_window == 7 and trace.weight_versions == [0]
 
     def write_later() -> None:
         time.sleep(0.2)
@@ -141,11 +143,12 @@ def test_a_failed_worker_export_or_none_at_all_fails_the_replicas_export(tmp_pat
             rank=0, forward_steps=1, error="the vLLM worker's trace export failed: disk full"
         ).model_dump_json()
     )
+    one = WorkerStop(forward_steps=1, forward_steps_in_window=1, weight_versions=[0])
     with pytest.raises(RuntimeError, match="disk full"):
-        WorkerTrace(tmp_path, "step1", 1, WorkerStop(forward_steps=1, weight_versions=[0])).export(tmp_path / "out")
+        WorkerTrace(tmp_path, "step1", 1, one).export(tmp_path / "out")
     monkeypatch.setattr(vllm_engine, "EXPORT_WAIT_S", 0.1)
     with pytest.raises(TimeoutError, match="worker 0 wrote no trace"):
-        WorkerTrace(tmp_path, "step2", 1, WorkerStop(forward_steps=1, weight_versions=[0])).export(tmp_path / "out")
+        WorkerTrace(tmp_path, "step2", 1, one).export(tmp_path / "out")
 
 
 def test_nsys_brackets_the_window_with_vllms_cuda_profiler_and_leaves_the_note(tmp_path):
