@@ -11,6 +11,12 @@
 # See docs/operations.md ("Docker").
 FROM vllm/vllm-openai:v0.33.0
 
+# tini runs as PID 1 so the processes Ray starts and leaves are reaped (Kubernetes has no --init).
+# Before the project's files, so a code change does not rerun apt.
+RUN apt-get update && apt-get install -y --no-install-recommends tini && rm -rf /var/lib/apt/lists/* \
+ && useradd --create-home --uid 10001 --user-group rollout \
+ && mkdir -p /data/traces /data/weights && chown -R rollout:rollout /data
+
 WORKDIR /opt/rollout-profiler
 COPY pyproject.toml README.md ./
 COPY profiling ./profiling
@@ -18,11 +24,7 @@ COPY serve_app ./serve_app
 COPY trainer ./trainer
 COPY config ./config
 # The base image already has vLLM and its CUDA torch; installing the project keeps them.
-# tini runs as PID 1 so the processes Ray starts and leaves are reaped (Kubernetes has no --init).
-RUN python3 -m pip install --no-cache-dir . \
- && apt-get update && apt-get install -y --no-install-recommends tini && rm -rf /var/lib/apt/lists/* \
- && useradd --create-home --uid 10001 --user-group rollout \
- && mkdir -p /data/traces /data/weights && chown -R rollout:rollout /data
+RUN python3 -m pip install --no-cache-dir .
 
 ENV HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 HOME=/home/rollout
 USER rollout
