@@ -20,6 +20,52 @@ class Sample(BaseModel):
     reward: float
 
 
+class Share:
+    """One rank's share of a mini-batch as tensors, right-padded: token ids, the completion mask,
+    the rollout's logprobs and the advantages (normalised over the whole mini-batch). Both
+    trainer backends train on it with the same loss (docs/trainer.md)."""
+
+    def __init__(self, ids: torch.Tensor, mask: torch.Tensor, old: torch.Tensor, adv: torch.Tensor):
+        self.ids, self.mask, self.old, self.adv = ids, mask, old, adv
+
+    @classmethod
+    def of(cls, batch: list[Sample], part: tuple[int, int], pad: int) -> Share:
+        """Rank `part[0]` of `part[1]`'s share: every part[1]-th sample from its rank on."""
+        rewards = torch.tensor([s.reward for s in batch])
+        adv_all = (rewards - rewards.mean()) / (rewards.std() + 1e-6)
+        rank, world = part
+        batch, adv = batch[rank::world], adv_all[rank::world]
+        seqs = [s.prompt_ids + s.completion_ids for s in batch]
+        width = max(map(len, seqs))
+        ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(batch), width))
+        old = torch.zeros((len(batch), width))
+        for i, s in enumerate(batch):
+            ids[i, : len(seqs[i])] = torch.tensor(seqs[i])
+            start = len(s.prompt_ids)
+            mask[i, start : start + len(s.completion_ids)] = 1
+            old[i, start : start + len(s.completion_ids)] = torch.tensor(s.logprobs)
+        return cls(ids, mask, old, adv)
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        """Completion tokens in the share (at least 1): the loss's denominator."""
+        return self.mask.sum().clamp(min=1)
+
+    def rows(self, start: int, stop: int) -> Share:
+        """Samples `start` to `stop` of the share (a micro-batch)."""
+        return Share(self.ids[start:stop], self.mask[start:stop], self.old[start:stop], self.adv[start:stop])
+
+    def loss(self, new: torch.Tensor, clip_ratio: float, tokens: torch.Tensor) -> torch.Tensor:
+        """The clipped policy-gradient loss of these rows given the policy's logprobs `new` of each
+        token (0 where masked), summed over their completion tokens and divided by `tokens` (the
+        whole share's: micro-batches' losses then add up to the share's)."""
+        ratio = torch.exp(new - self.old) * self.mask
+        a = self.adv[:, None]
+        objective = torch.minimum(ratio * a, ratio.clamp(1 - clip_ratio, 1 + clip_ratio) * a)
+        return -(objective * self.mask).sum() / tokens
+
+
 class Policy:
     def __init__(self, model_dir: str, lr: float, clip_ratio: float, seed: int, *, shard: bool = False):
         """`shard`: wrap the model with FSDP2's `fully_shard` (each decoder layer, then the whole),
@@ -44,31 +90,25 @@ class Policy:
             raise ValueError(f"reward_text {text!r} is {len(ids)} tokens ({ids}); pick one that is one token")
         return ids[0]
 
+    @property
+    def context_len(self) -> int:
+        """The longest sequence the policy (the served model) takes."""
+        return int(self.model.config.max_position_embeddings)
+
+    def data_part(self, rank: int, world_size: int) -> tuple[int, int]:
+        """The share of each mini-batch that trainer rank `rank` of `world_size` trains on, as
+        `train_step`'s `part`: FSDP shards the data over every rank."""
+        return rank, world_size
+
     def train_step(self, batch: list[Sample], part: tuple[int, int] = (0, 1)) -> float:
         """One optimizer step on `batch`; returns the loss. `part` (rank, world_size): this rank
         trains on every world_size-th sample from its rank on, with advantages normalised over the
         whole mini-batch (FSDP averages the ranks' gradients)."""
-        rewards = torch.tensor([s.reward for s in batch])
-        adv_all = (rewards - rewards.mean()) / (rewards.std() + 1e-6)
-        rank, world = part
-        batch, adv = batch[rank::world], adv_all[rank::world]
-        seqs = [s.prompt_ids + s.completion_ids for s in batch]
-        width = max(map(len, seqs))
-        ids = torch.full((len(batch), width), self._pad, dtype=torch.long)
-        mask = torch.zeros((len(batch), width))
-        old = torch.zeros((len(batch), width))
-        for i, s in enumerate(batch):
-            ids[i, : len(seqs[i])] = torch.tensor(seqs[i])
-            start = len(s.prompt_ids)
-            mask[i, start : start + len(s.completion_ids)] = 1
-            old[i, start : start + len(s.completion_ids)] = torch.tensor(s.logprobs)
-        logits = self.model(input_ids=ids).logits[:, :-1].float()
-        new = torch.zeros_like(old)
-        new[:, 1:] = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-        ratio = torch.exp(new - old) * mask
-        a = adv[:, None]
-        objective = torch.minimum(ratio * a, ratio.clamp(1 - self.clip_ratio, 1 + self.clip_ratio) * a)
-        loss = -(objective * mask).sum() / mask.sum().clamp(min=1)
+        share = Share.of(batch, part, self._pad)
+        logits = self.model(input_ids=share.ids).logits[:, :-1].float()
+        new = torch.zeros_like(share.old)
+        new[:, 1:] = torch.log_softmax(logits, -1).gather(-1, share.ids[:, 1:, None]).squeeze(-1)
+        loss = share.loss(new, self.clip_ratio, share.tokens)
         self.optimizer.zero_grad()
         loss.backward()
         self.optimizer.step()

@@ -1,0 +1,1 @@
+"""The Megatron trainer backend (`trainer.backend: megatron`, docs/trainer.md#megatron)."""
