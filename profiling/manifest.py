@@ -57,6 +57,10 @@ class SyncCost(BaseModel):
     """The trainer's publish before the sync's calls: writing the file, or gathering the state
     dict (every rank's gather included). Off the rollout's critical path: replicas still generate
     meanwhile; not part of `total_s`."""
+    gather_s: float | None = None
+    """Within `publish_s`, on the publishing rank: gathering the full state dict from the ranks'
+    shards (Megatron: the tensor-parallel all-gathers and the pipeline stages' tensors; None: not
+    measured apart)."""
     transfer_s: float | None = None
     """Moving the bytes, within `update_s`: the app's answer (`transfer_s`, the slowest replica's
     fetch or receive), or for `external` the trainer's own update function (None: not reported)."""
@@ -159,12 +163,43 @@ class TraceDialect(BaseModel):
         return name.split(self.rank_separator)[0] if self.rank_separator else name
 
 
+class ParallelRank(BaseModel):
+    """A trainer rank's place in Megatron's grid (docs/trainer.md#megatron): its tensor-,
+    pipeline- and data-parallel ranks, and the sizes of those groups."""
+
+    tp: int = Field(ge=0)
+    pp: int = Field(ge=0)
+    dp: int = Field(ge=0)
+    tp_size: int = Field(ge=1)
+    pp_size: int = Field(ge=1)
+    dp_size: int = Field(ge=1)
+
+    @model_validator(mode="after")
+    def _ranks_within_sizes(self) -> ParallelRank:
+        for axis in ("tp", "pp", "dp"):
+            if getattr(self, axis) >= getattr(self, f"{axis}_size"):
+                raise ValueError(f"{axis} rank {getattr(self, axis)} is not below {axis}_size {getattr(self, f'{axis}_size')}")
+        return self
+
+    @property
+    def label(self) -> str:
+        """`tp1 pp0` (and `dp<r>` with several data-parallel replicas)."""
+        return f"tp{self.tp} pp{self.pp}" + (f" dp{self.dp}" if self.dp_size > 1 else "")
+
+    @property
+    def last_stage(self) -> bool:
+        return self.pp == self.pp_size - 1
+
+
 class ManifestEntry(BaseModel):
     """One process's contribution to a step: its trace files and what they hold."""
 
     role: Role
     replica_id: str | None = None
     rank: int | None = None
+    parallel: ParallelRank | None = None
+    """Trainer entries of the Megatron backend: the rank's tensor-, pipeline- and data-parallel
+    ranks (None: a backend without them)."""
     node_id: str | None = None
     pid: int | None = None
     status: Literal["ok", "error"] = "ok"
@@ -236,6 +271,14 @@ class ManifestEntry(BaseModel):
                 "forward steps recorded: the window ran at least the steps its trace holds"
             )
         return self
+
+    @property
+    def trainer_name(self) -> str:
+        """How the timeline and the reports name a trainer rank: `trainer rank 0`, or with
+        Megatron's coordinates `trainer tp1 pp0 (rank 1)`."""
+        if self.parallel is None:
+            return f"trainer rank {self.rank or 0}"
+        return f"trainer {self.parallel.label} (rank {self.rank or 0})"
 
     @property
     def key(self) -> str:

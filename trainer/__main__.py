@@ -139,7 +139,7 @@ async def _run(
             progress.update(task, advance=1, reward=s.reward, rate=s.samples_per_s, staleness=s.staleness)
 
         with progress:
-            if cfg.trainer.world_size > 1:
+            if cfg.trainer.launches_ranks:
                 result = await asyncio.to_thread(launch_ranks, cfg, address, model_dir, on_version)
             else:
                 async with address.client() as client:

@@ -100,6 +100,26 @@ class TrainerProfileOptions(ProfileOptions):
         return ProfileOptions.model_validate(self.model_dump(include=set(ProfileOptions.model_fields)))
 
 
+class MegatronSection(StrictModel):
+    """`trainer.megatron`: the layout of the Megatron backend (docs/trainer.md#megatron)."""
+
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="Ranks each layer's weights are split over (megatron's tensor parallelism)."
+    )
+    pipeline_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="Pipeline stages the layers are split into (megatron's 1F1B schedule); the layers must "
+        "divide evenly.",
+    )
+    micro_batch_size: int = Field(
+        1,
+        ge=1,
+        description="Samples per micro-batch of megatron's schedule; a data-parallel replica's share of a "
+        "mini-batch must be a multiple of it.",
+    )
+
+
 class TrainerSection(StrictModel):
     total_versions: int = Field(30, ge=1, description="Weight versions to publish.")
     trigger_parameter_sync_step: int = Field(2, ge=1, description="Mini-batches per version.")
@@ -119,9 +139,19 @@ class TrainerSection(StrictModel):
     world_size: int = Field(
         1,
         ge=1,
-        description="Trainer processes: 1 trains in this process; more launches that many ranks "
-        "(torch.distributed, gloo), the policy sharded with FSDP2; rank 0 drives the app and publishes "
-        "(docs/trainer.md#several-ranks).",
+        description="Trainer processes: 1 trains in this process (backend fsdp); more launches that many ranks "
+        "(torch.distributed, gloo), the policy sharded with FSDP2 or laid out by trainer.megatron; rank 0 drives "
+        "the app and publishes (docs/trainer.md#several-ranks).",
+    )
+    backend: Literal["fsdp", "megatron"] = Field(
+        "fsdp",
+        description="The policy's training backend: fsdp (the Hugging Face Llama, FSDP2-sharded over several "
+        "ranks), or megatron (megatron-core's GPTModel in Llama form, tensor- and pipeline-parallel as "
+        "trainer.megatron says, data parallel over the rest of world_size; `pip install -e \".[megatron]\"`; "
+        "docs/trainer.md#megatron).",
+    )
+    megatron: MegatronSection = Field(
+        default_factory=MegatronSection, description="backend megatron: its parallel layout."
     )
     weight_transfer: Annotated[
         Literal[WeightSource.PATH, WeightSource.COLLECTIVE], BeforeValidator(read_old_spelling)
@@ -144,6 +174,13 @@ class TrainerSection(StrictModel):
         description="world_size > 1: how long a collective between the trainer's ranks may wait for a "
         "rank (a rank that died is seen sooner, when its connections close).",
     )
+
+
+    @property
+    def launches_ranks(self) -> bool:
+        """Whether the job trains in rank processes of a process group (trainer/launch.py): with
+        several ranks, and always with Megatron, whose parallel groups are made from one."""
+        return self.world_size > 1 or self.backend == "megatron"
 
 
 class RolloutSection(StrictModel):
@@ -260,12 +297,31 @@ class TrainerConfig(StrictModel):
                     f"{key} {ranks} names rank(s) {beyond}, but trainer.world_size is "
                     f"{world} (ranks 0..{world - 1}): lower the ranks or raise trainer.world_size"
                 )
-        if self.trainer.mini_batch_size < world:
+        if self.trainer.backend == "megatron":
+            self._megatron_layout_fits()
+        elif self.trainer.mini_batch_size < world:
             raise ValueError(
                 f"trainer.mini_batch_size {self.trainer.mini_batch_size} is below trainer.world_size {world}: "
                 "each rank trains on its share of a mini-batch; raise mini_batch_size"
             )
         return self
+
+    def _megatron_layout_fits(self) -> None:
+        t, m = self.trainer, self.trainer.megatron
+        model_parallel = m.tensor_parallel_size * m.pipeline_parallel_size
+        if t.world_size % model_parallel:
+            raise ValueError(
+                f"trainer.world_size {t.world_size} is not a multiple of trainer.megatron.tensor_parallel_size "
+                f"{m.tensor_parallel_size} x pipeline_parallel_size {m.pipeline_parallel_size} = {model_parallel}: "
+                "data parallel takes the rest of the ranks; make world_size a multiple of it"
+            )
+        replicas = t.world_size // model_parallel
+        if t.mini_batch_size % (replicas * m.micro_batch_size):
+            raise ValueError(
+                f"trainer.mini_batch_size {t.mini_batch_size} does not split into {replicas} data-parallel "
+                f"share(s) of whole micro-batches of trainer.megatron.micro_batch_size {m.micro_batch_size}: "
+                f"make it a multiple of {replicas * m.micro_batch_size}"
+            )
 
     def _hook_ranks(self) -> list[int]:
         p, g = self.profiler, self.global_profiler
@@ -296,6 +352,11 @@ class TrainerConfig(StrictModel):
         does not implement, and steps without a tool), to be logged once by the job."""
         g, p = self.global_profiler, self.profiler
         out = g.notes()
+        if self.trainer.backend != "megatron" and "megatron" in self.trainer.model_fields_set:
+            out.append(
+                f"trainer.megatron is set but trainer.backend is {self.trainer.backend!r}: the layout has no "
+                "effect; set trainer.backend=megatron or remove trainer.megatron"
+            )
         if not g.profiles:
             return out
         out += p.tool_config.notes(g.tool, "profiler.tool_config")

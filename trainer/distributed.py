@@ -24,7 +24,7 @@ import torch.distributed as dist
 from pydantic import BaseModel, Field, ValidationError
 
 from profiling.clock_exchange import PINGS, ClockReading, offset_from, reversed_offset
-from profiling.manifest import ClockOffset
+from profiling.manifest import ClockOffset, ParallelRank
 from serve_app.weights import collective as weight_wire
 from trainer.profiled_sync import DriverNote, RankRole
 
@@ -53,10 +53,10 @@ class Ranks(BaseModel):
     def distributed(self) -> bool:
         return self.world_size > 1
 
-    def role(self) -> RankRole:
-        """This rank's `RankRole` for its ProfiledWeightSync, linked to the other ranks by a
-        GlooRankLink when there are several. That link makes a process group, a collective call:
-        every rank calls `role()` at the same point."""
+    def role(self, parallel: ParallelRank | None = None) -> RankRole:
+        """This rank's `RankRole` for its ProfiledWeightSync (`parallel`: its Megatron
+        coordinates), linked to the other ranks by a GlooRankLink when there are several. That
+        link makes a process group, a collective call: every rank calls `role()` at the same point."""
         return RankRole(
             rank=self.rank,
             drives=self.drives,
@@ -64,6 +64,7 @@ class Ranks(BaseModel):
             ranks=self.selected,
             world_size=self.world_size,
             link=GlooRankLink(self) if self.distributed else None,
+            parallel=parallel,
         )
 
 

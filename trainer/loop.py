@@ -24,7 +24,7 @@ from trainer.agent_loop import AgentLoop, Reward
 from trainer.client import RolloutClient
 from trainer.config import TrainerConfig
 from trainer.distributed import Ranks, share_from_driver
-from trainer.policy import Policy, Sample
+from trainer.policy import Policy, Sample, TrainingPolicy
 from trainer.profiled_sync import CollectivePublisher, PathPublisher, ProfiledWeightSync, WeightPublisher, Weights
 
 PROMPTS = [
@@ -140,12 +140,10 @@ async def run_training(
     ranks = ranks or Ranks()
     executor = ThreadPoolExecutor(1, thread_name_prefix="trainer-model")
     loop = asyncio.get_running_loop()
-    policy = await loop.run_in_executor(
-        executor, lambda: Policy(model_dir, t.lr, t.clip_ratio, t.seed, shard=ranks.distributed)
-    )
+    policy = await loop.run_in_executor(executor, _policy, cfg, model_dir, ranks)
     reward = token_share(policy.token_id(t.reward_text))
     # The policy is the served model: a sample must fit its context to be trained on.
-    context_len = int(policy.model.config.max_position_embeddings)
+    context_len = policy.context_len
     weights_dir = Path(t.weights_dir).resolve()
     schedule = StepSchedule.from_config(cfg.global_profiler)
     publisher = _publisher(cfg, client) if ranks.drives else PathPublisher()
@@ -155,7 +153,7 @@ async def run_training(
         client if ranks.drives else None,
         save_path=cfg.global_profiler.save_path if cfg.global_profiler.profiles else None,
         publisher=publisher,
-        role=ranks.role(),
+        role=ranks.role(policy.parallel),
         options=cfg.window_options(),
         model_executor=executor,
         merge_on_complete=cfg.global_profiler.merge_on_complete,
@@ -172,7 +170,7 @@ async def run_training(
                 path = weights_dir / f"v{version}.safetensors"
 
                 def publish(p: Path = path) -> Awaitable[Weights | None]:
-                    return loop.run_in_executor(executor, _publish, policy, p, ranks, not by_file)
+                    return loop.run_in_executor(executor, _publish, policy, p, ranks, not by_file, sync)
 
                 report = await sync.sync(version, publish)
                 if ranks.drives and by_file:
@@ -202,10 +200,34 @@ def _publisher(cfg: TrainerConfig, client: RolloutClient | None) -> WeightPublis
     )
 
 
-def _publish(policy: Policy, path: Path, ranks: Ranks, as_state_dict: bool) -> Weights | None:
-    """The sync's publish, on the model thread: every rank joins the gather; the driving rank
-    writes the weights file, or hands the state dict to the publisher."""
+def _policy(cfg: TrainerConfig, model_dir: str, ranks: Ranks) -> TrainingPolicy:
+    """The policy of `trainer.backend`, constructed on every rank (a collective with several)."""
+    t = cfg.trainer
+    if t.backend == "megatron":
+        from trainer.megatron.policy import MegatronPolicy  # lazy: megatron-core is an extra
+
+        m = t.megatron
+        return MegatronPolicy(
+            model_dir,
+            t.lr,
+            t.clip_ratio,
+            t.seed,
+            tp=m.tensor_parallel_size,
+            pp=m.pipeline_parallel_size,
+            micro_batch_size=m.micro_batch_size,
+        )
+    return Policy(model_dir, t.lr, t.clip_ratio, t.seed, shard=ranks.distributed)
+
+
+def _publish(
+    policy: TrainingPolicy, path: Path, ranks: Ranks, as_state_dict: bool, sync: ProfiledWeightSync
+) -> Weights | None:
+    """The sync's publish, on the model thread: every rank joins the gather (timed into the
+    sync's `gather_s`); the driving rank writes the weights file, or hands the state dict to the
+    publisher."""
+    t0 = time.perf_counter()
     state = policy.full_state_dict()
+    sync.gathered(time.perf_counter() - t0)
     if not ranks.drives:
         return None
     return state if as_state_dict else policy.save(path, state)
@@ -213,7 +235,7 @@ def _publish(policy: Policy, path: Path, ranks: Ranks, as_state_dict: bool) -> W
 
 async def _train_version(
     cfg: TrainerConfig,
-    policy: Policy,
+    policy: TrainingPolicy,
     sync: ProfiledWeightSync,
     queue: asyncio.Queue[Sample],
     producers: list[asyncio.Task],
@@ -251,7 +273,7 @@ async def _train_version(
 
         def step(b: list[Sample] = batch) -> float:
             with sync.fit_step(version - 1):
-                return policy.train_step(b, (ranks.rank, ranks.world_size))
+                return policy.train_step(b, policy.data_part(ranks.rank, ranks.world_size))
 
         losses.append(await loop.run_in_executor(executor, step))
         rewards.extend(s.reward for s in batch)

@@ -5,11 +5,14 @@ rollout's logprobs, since samples may be a few versions stale)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from pydantic import BaseModel
 from safetensors.torch import save_file
 from transformers import AutoTokenizer, LlamaForCausalLM
+
+from profiling.manifest import ParallelRank
 
 
 class Sample(BaseModel):
@@ -66,6 +69,30 @@ class Share:
         return -(objective * self.mask).sum() / tokens
 
 
+class TrainingPolicy(Protocol):
+    """What the training loop needs of a policy, whatever trains it (`trainer.backend`): the FSDP
+    `Policy` here, `MegatronPolicy` (trainer/megatron/policy.py)."""
+
+    parallel: ParallelRank | None
+    """This rank's place in a Megatron grid (None: the backend has none)."""
+
+    @property
+    def context_len(self) -> int: ...
+
+    def token_id(self, text: str) -> int: ...
+
+    def data_part(self, rank: int, world_size: int) -> tuple[int, int]: ...
+
+    def train_step(self, batch: list[Sample], part: tuple[int, int] = (0, 1)) -> float: ...
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model in Hugging Face names on the publishing rank (rank 0), {} on the others:
+        a collective every rank joins."""
+        ...
+
+    def save(self, path: Path, state: dict[str, torch.Tensor] | None = None) -> Path: ...
+
+
 class Policy:
     def __init__(self, model_dir: str, lr: float, clip_ratio: float, seed: int, *, shard: bool = False):
         """`shard`: wrap the model with FSDP2's `fully_shard` (each decoder layer, then the whole),
@@ -74,6 +101,7 @@ class Policy:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.model = LlamaForCausalLM.from_pretrained(model_dir).train()
         self.sharded = shard
+        self.parallel: ParallelRank | None = None
         if shard:
             from torch.distributed.fsdp import fully_shard
 

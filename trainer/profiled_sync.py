@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, ClassVar, Protocol, TypeVar
 from pydantic import BaseModel
 
 from profiling.config import ProfileOptions
-from profiling.manifest import ClockOffset, ManifestEntry, SyncCost, TrainerRecord, Transfer
+from profiling.manifest import ClockOffset, ManifestEntry, ParallelRank, SyncCost, TrainerRecord, Transfer
 from profiling.schedule import StepSchedule, SyncPlan
 from profiling.session import ProfileSession, SessionSpec
 from profiling.step_stats import Staleness
@@ -244,6 +244,8 @@ class RankRole:
     """The trainer's ranks in all."""
     link: RankLink | None = None
     """The other ranks (several ranks: the driving rank's note and clock at each stop)."""
+    parallel: ParallelRank | None = None
+    """Megatron backend: this rank's tensor-, pipeline- and data-parallel ranks, for its entries."""
 
 
 class SyncReport(BaseModel):
@@ -299,13 +301,14 @@ class ProfiledWeightSync:
         self._session = (
             ProfileSession(
                 store=self._store,
-                entry_identity=ManifestEntry(role="trainer", rank=role.rank),
+                entry_identity=ManifestEntry(role="trainer", rank=role.rank, parallel=role.parallel),
                 exporter=ThreadPoolExecutor(1, thread_name_prefix="trainer-export"),
             )
             if self._store is not None and role.records
             else None
         )
         self._version = 0
+        self._gather_s: float | None = None
         self._staleness: dict[int, Staleness] = {}
         """Window label -> staleness of the samples its mini-batches consumed so far."""
 
@@ -367,8 +370,10 @@ class ProfiledWeightSync:
         weights: Weights | None = None
         if publish is not None:
             t0 = time.perf_counter()
+            self._gather_s = None
             weights = publish if isinstance(publish, (str, Path)) else await publish()
             cost.publish_s = time.perf_counter() - t0
+            cost.gather_s = self._gather_s
         if self.role.drives:
             self.publisher.check(weights)  # before any call
             cost.began_at = time.time()
@@ -397,6 +402,11 @@ class ProfiledWeightSync:
         if plan.start_step is not None:
             await self._start_trainer(plan.start_step)
         return SyncReport(plan=plan, cost=cost)
+
+    def gathered(self, seconds: float) -> None:
+        """The publish being run gathered the state dict from the ranks' shards in `seconds`
+        (called from the publish): the sync's cost carries it as `gather_s`."""
+        self._gather_s = seconds
 
     async def end(self, *, failed: bool = False) -> None:
         """Stop whatever is active (also after an exception); never raises for a dead app.

@@ -65,7 +65,7 @@ def control_calls(manifest: StepManifest) -> list[ControlCall]:
         ):
             if dur is not None:
                 calls.append(
-                    ControlCall(name=name, start=at, dur_s=dur, caller=f"trainer rank {e.rank or 0}")
+                    ControlCall(name=name, start=at, dur_s=dur, caller=e.trainer_name)
                 )
                 at += dur
     return calls
@@ -94,9 +94,9 @@ def group_order(entries: list[ManifestEntry]) -> list[ManifestEntry]:
 
 
 def group_name(entry: ManifestEntry) -> str:
-    """`trainer rank 0` or `rollout <replica_id> (node <id>, weights v<k>)`."""
+    """`trainer rank 0` (`trainer tp1 pp0 (rank 1)` with Megatron's coordinates) or `rollout <replica_id> (node <id>, weights v<k>)`."""
     if entry.role == "trainer":
-        return f"trainer rank {entry.rank or 0}"
+        return entry.trainer_name
     versions = entry.weight_versions or ([entry.weight_version] if entry.weight_version is not None else [])
     facts = []
     if entry.node_id:

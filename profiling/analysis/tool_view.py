@@ -190,13 +190,16 @@ def _process(inp: TraceInput) -> str:
 
 
 def _names(inputs: list[TraceInput]) -> list[str]:
-    """`rank<r>-trainer-rank_<n>` / `rank<r>-rollout-<id>`, `-<i>` for a process's i-th file
+    """`rank<r>-trainer-rank_<n>` (`...-rank_<n>-tp<t>-pp<p>` with Megatron's coordinates) /
+    `rank<r>-rollout-<id>`, `-<i>` for a process's i-th file
     (i >= 1). The plugin names a worker by what precedes `.pt.trace.json` (a `.<digits>` just
     before it would be read as a span), so a name has no other dot."""
     seen: dict[str, int] = {}
     names = []
     for rank, inp in enumerate(inputs):
         process = _process(inp).replace("/", "-").replace(".", "_")
+        if (grid := inp.entry.parallel) is not None:  # Megatron's coordinates: rank_1-tp1-pp0
+            process += "-" + grid.label.replace(" ", "-")
         n = seen.get(process, 0)
         seen[process] = n + 1
         suffix = ".pt.trace.json.gz" if inp.path.name.endswith(".gz") else ".pt.trace.json"

@@ -59,7 +59,10 @@ ANSWERS: dict[str, Callable[..., Any]] = {
     "set_rng_state": _set_cpu_rng_state,
 }
 """torch.cuda functions megatron-core calls on the CPU paths, and their CPU answers."""
-RNG_ANSWERS: dict[str, Callable[..., Any]] = {"_get_cuda_rng_state": _cpu_rng_state, "_set_cuda_rng_state": _set_cpu_rng_state}
+RNG_ANSWERS: dict[str, Callable[..., Any]] = {
+    "_get_cuda_rng_state": _cpu_rng_state,
+    "_set_cuda_rng_state": _set_cpu_rng_state,
+}
 """megatron.core.tensor_parallel.random's own CUDA RNG helpers (they read torch.cuda's generators directly)."""
 CUDA_LITERAL_MODULES = ("megatron.core.pipeline_parallel.schedules", "megatron.core.transformer.utils")
 """The modules that make tensors with a `device="cuda"` literal (the schedules' token count, the
@@ -72,7 +75,9 @@ _logged: set[str] = set()
 def _caller_site(depth: int) -> tuple[str, str]:
     """The module name and `file:line` of the frame `depth` levels above the caller."""
     frame = sys._getframe(depth + 1)
-    return frame.f_globals.get("__name__", ""), f"{frame.f_code.co_filename.split('site-packages/')[-1]}:{frame.f_lineno}"
+    return frame.f_globals.get(
+        "__name__", ""
+    ), f"{frame.f_code.co_filename.split('site-packages/')[-1]}:{frame.f_lineno}"
 
 
 def _from_owner(module: str) -> bool:

@@ -11,28 +11,19 @@ share of each mini-batch and average their gradients.
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from pydantic import BaseModel, Field
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoTokenizer
 
+from profiling.manifest import ParallelRank
 from trainer.megatron import cpu_patches, llama_names
 from trainer.policy import Sample, Share
 
 log = logging.getLogger(__name__)
-
-
-class MegatronCoords(BaseModel):
-    """A trainer rank's place in megatron's grid."""
-
-    tp_rank: int = Field(ge=0)
-    pp_rank: int = Field(ge=0)
-    dp_rank: int = Field(ge=0)
 
 
 class MegatronPolicy:
@@ -40,7 +31,9 @@ class MegatronPolicy:
     `pp` (the data-parallel size is the process group's size over tp * pp), started from the
     Hugging Face checkpoint in `model_dir` (the model the replicas serve)."""
 
-    def __init__(self, model_dir: str, lr: float, clip_ratio: float, seed: int, *, tp: int, pp: int, micro_batch_size: int):
+    def __init__(
+        self, model_dir: str, lr: float, clip_ratio: float, seed: int, *, tp: int, pp: int, micro_batch_size: int
+    ):
         cpu_patches.apply()  # before megatron.core is imported; nothing where CUDA is present
         from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -59,12 +52,20 @@ class MegatronPolicy:
         model_parallel_cuda_manual_seed(seed)
         self.ps = ps
         self.tp, self.pp, self.micro_batch_size = tp, pp, micro_batch_size
-        self.coords = MegatronCoords(
-            tp_rank=ps.get_tensor_model_parallel_rank(),
-            pp_rank=ps.get_pipeline_model_parallel_rank(),
-            dp_rank=ps.get_data_parallel_rank(),
-        )
         self.dp = ps.get_data_parallel_world_size()
+        self.parallel = ParallelRank(
+            tp=ps.get_tensor_model_parallel_rank(),
+            pp=ps.get_pipeline_model_parallel_rank(),
+            dp=ps.get_data_parallel_rank(),
+            tp_size=tp,
+            pp_size=pp,
+            dp_size=self.dp,
+        )
+        if hf.num_hidden_layers % pp:
+            raise ValueError(
+                f"the model has {hf.num_hidden_layers} layers, which trainer.megatron.pipeline_parallel_size "
+                f"{pp} does not divide into equal stages: pick a size that divides it"
+            )
         self.model, self.layer_offset = self._build(hf)
         self._load(load_file(str(Path(model_dir) / "model.safetensors")))
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=lr)
@@ -138,7 +139,7 @@ class MegatronPolicy:
         with torch.no_grad():
             for name, p, dim in self._params():
                 full = llama_names.fuse(name, [hf_state[n] for n in llama_names.hf_names(name)], self.shape)
-                piece = llama_names.shard(name, full, dim, self.coords.tp_rank, self.tp)
+                piece = llama_names.shard(name, full, dim, self.parallel.tp, self.tp)
                 if piece.shape != p.shape:
                     raise ValueError(
                         f"the checkpoint's {name} gives a shard of {tuple(piece.shape)}, the model's is "
@@ -160,7 +161,7 @@ class MegatronPolicy:
     def data_part(self, rank: int, world_size: int) -> tuple[int, int]:
         """The share of each mini-batch this rank trains on: its data-parallel replica's (every
         tensor- and pipeline-parallel rank of a replica trains on the same samples)."""
-        return self.coords.dp_rank, self.dp
+        return self.parallel.dp, self.dp
 
     def train_step(self, batch: list[Sample], part: tuple[int, int] = (0, 1)) -> float:
         """One optimizer step on this rank's share of `batch` through megatron's schedule (1F1B
@@ -221,10 +222,9 @@ class MegatronPolicy:
         """The whole model in Hugging Face Llama names on global rank 0, the others an empty dict:
         a collective every rank joins. Each stage's tensor-parallel shards are all-gathered in
         their tensor-parallel group, then every other stage of rank 0's replica sends its tensors
-        to rank 0. `last_gather_s` holds how long it took here."""
-        t0 = time.perf_counter()
+        to rank 0."""
         stage: dict[str, torch.Tensor] = {}
-        if self.coords.dp_rank == 0:  # the data-parallel replicas hold the same weights
+        if self.parallel.dp == 0:  # the data-parallel replicas hold the same weights
             group = self.ps.get_tensor_model_parallel_group()
             for name, p, dim in self._params():
                 shards = [p.detach()]
@@ -234,7 +234,6 @@ class MegatronPolicy:
                 full = llama_names.unshard(name, shards, dim)
                 stage.update(zip(llama_names.hf_names(name), llama_names.split(name, full, self.shape), strict=True))
         state = self._merge_stages(stage) if self.pp > 1 else stage
-        self.last_gather_s = time.perf_counter() - t0
         return state if dist.get_rank() == 0 else {}
 
     def _merge_stages(self, stage: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -243,7 +242,7 @@ class MegatronPolicy:
         from trainer.megatron.stage_wire import receive_stage, send_stage
 
         pp_ranks = dist.get_process_group_ranks(self.ps.get_pipeline_model_parallel_group())
-        if 0 not in pp_ranks or self.coords.tp_rank != 0:
+        if 0 not in pp_ranks or self.parallel.tp != 0:
             return {}
         if dist.get_rank() != 0:
             send_stage(stage, dst=0)
