@@ -450,10 +450,19 @@ def _print_breakdown(s: StepSummary) -> None:
             ranks.add_column(col, justify="left" if col == "process" else "right")
         for t in b.trainer:
             ranks.add_row(
-                f"trainer/rank_{t.rank}",
+                t.name or f"trainer rank {t.rank}",
                 *(_s(v) for v in (t.training_s, t.sync_s, t.other_s, t.finalizing_s, t.exporting_s)),
             )
         out.print(ranks)
+    if b.pipeline:
+        stages = Table(title=f"step {s.step}: pipeline stages (seconds, mean of each stage's ranks)")
+        for col in ("stage", "ranks", "training", "compute", "bubble", "bubble share"):
+            stages.add_column(col, justify="left" if col == "stage" else "right")
+        for row in b.pipeline:
+            share = "-" if row.bubble_share is None else f"{row.bubble_share:.0%}"
+            ranks_of = ", ".join(map(str, row.ranks))
+            stages.add_row(f"pp{row.stage}", ranks_of, _s(row.training_s), _s(row.compute_s), _s(row.bubble_s), share)
+        out.print(stages)
     i, st = b.imbalance, b.staleness
     served = ", ".join(f"v{v}: {n}" for v, n in b.weight_versions_served.items()) or "-"
     out.print(

@@ -177,8 +177,9 @@ class ParallelRank(BaseModel):
     @model_validator(mode="after")
     def _ranks_within_sizes(self) -> ParallelRank:
         for axis in ("tp", "pp", "dp"):
-            if getattr(self, axis) >= getattr(self, f"{axis}_size"):
-                raise ValueError(f"{axis} rank {getattr(self, axis)} is not below {axis}_size {getattr(self, f'{axis}_size')}")
+            rank, size = getattr(self, axis), getattr(self, f"{axis}_size")
+            if rank >= size:
+                raise ValueError(f"{axis} rank {rank} is not below {axis}_size {size}")
         return self
 
     @property

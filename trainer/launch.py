@@ -1,4 +1,5 @@
-"""`trainer.world_size` > 1 (or `trainer.backend: megatron`): launch the ranks as processes, watch them, and account for one that dies.
+"""`trainer.world_size` > 1, or `trainer.backend: megatron`: launch the ranks as processes, watch
+them, and account for one that dies.
 
 The launcher (the `python -m trainer` process, which owns the app) hosts the ranks' rendezvous (a
 store on loopback, its keys sealed with a secret of this launch) and spawns one process per rank;

@@ -73,8 +73,10 @@ class TrainingPolicy(Protocol):
     """What the training loop needs of a policy, whatever trains it (`trainer.backend`): the FSDP
     `Policy` here, `MegatronPolicy` (trainer/megatron/policy.py)."""
 
-    parallel: ParallelRank | None
-    """This rank's place in a Megatron grid (None: the backend has none)."""
+    @property
+    def parallel(self) -> ParallelRank | None:
+        """This rank's place in a Megatron grid (None: the backend has none)."""
+        ...
 
     @property
     def context_len(self) -> int: ...

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
-from profiling.manifest import ManifestEntry
+from profiling.manifest import ManifestEntry, ParallelRank
 from profiling.step_stats import SLOWEST_KEPT, SlowRequest, Staleness
 
 
@@ -43,6 +43,12 @@ class TrainerBreakdown(BaseModel):
     """One trainer rank over the step (seconds)."""
 
     rank: int
+    name: str = ""
+    """`trainer rank 0`, or with Megatron's coordinates `trainer tp1 pp0 (rank 1)`."""
+    parallel: ParallelRank | None = None
+    pipeline_wait_s: float | None = None
+    """Megatron: within `training_s`, point-to-point sends and receives, where this rank's pipeline
+    stage waited on its neighbour (None: no Megatron coordinates)."""
     window_s: float | None = None
     training_s: float = 0.0
     """The mini-batches (`forward_step` ranges): forward, backward and optimizer step."""
@@ -66,6 +72,21 @@ class Imbalance(BaseModel):
     least_busy: str | None = None
 
 
+class PipelineStage(BaseModel):
+    """One pipeline stage over the step (its ranks' mean, seconds): the Megatron backend."""
+
+    stage: int
+    ranks: list[int]
+    training_s: float
+    """The mini-batches: forward, backward, optimizer, and the waits between."""
+    compute_s: float
+    """`training_s` less the bubble."""
+    bubble_s: float
+    """Time the stage waited on its neighbours' sends and receives: its pipeline bubble."""
+    bubble_share: float | None = None
+    """`bubble_s` over `training_s` (None: no training time)."""
+
+
 class StepBreakdown(BaseModel):
     """`StepSummary.breakdown`."""
 
@@ -80,11 +101,16 @@ class StepBreakdown(BaseModel):
     """The slowest requests over every replica, slowest first (with `replica_id`)."""
     staleness: Staleness | None = None
     """Of the samples the trainer ranks consumed (None: no trainer entry recorded it)."""
+    pipeline: list[PipelineStage] = Field(default_factory=list)
+    """Per pipeline stage, first to last (empty: no trainer rank has Megatron coordinates)."""
 
 
-def step_breakdown(entries: list[ManifestEntry], forward_ms: dict[str, float]) -> StepBreakdown:
+def step_breakdown(
+    entries: list[ManifestEntry], forward_ms: dict[str, float], pipeline_wait_ms: dict[str, float] | None = None
+) -> StepBreakdown:
     """The breakdown of one step from its manifest `entries`; `forward_ms`: entry key -> time in
-    its `forward_step` ranges (from the summary of its traces)."""
+    its `forward_step` ranges, `pipeline_wait_ms`: in point-to-point waits within them (from the
+    summary of its traces)."""
     out = StepBreakdown()
     slowest: list[SlowRequest] = []
     staleness: Staleness | None = None
@@ -120,9 +146,13 @@ def step_breakdown(entries: list[ManifestEntry], forward_ms: dict[str, float]) -
             window = None if e.started_at is None or e.stopped_at is None else e.stopped_at - e.started_at
             training = forward_ms.get(e.key, 0.0) / 1000
             sync = e.sync.total_s if e.sync else 0.0
+            wait = (pipeline_wait_ms or {}).get(e.key, 0.0) / 1000 if e.parallel is not None else None
             out.trainer.append(
                 TrainerBreakdown(
                     rank=e.rank or 0,
+                    name=e.trainer_name,
+                    parallel=e.parallel,
+                    pipeline_wait_s=None if wait is None else round(wait, 6),
                     window_s=_r(window),
                     training_s=round(training, 6),
                     sync_s=round(sync, 6),
@@ -139,7 +169,31 @@ def step_breakdown(entries: list[ManifestEntry], forward_ms: dict[str, float]) -
     out.slowest_requests = sorted(slowest, key=lambda s: -s.latency_s)[:SLOWEST_KEPT]
     out.imbalance = _imbalance([r for r in out.replicas if r.generating_s is not None])
     out.staleness = staleness
+    out.pipeline = _stages(out.trainer)
     return out
+
+
+def _stages(trainer: list[TrainerBreakdown]) -> list[PipelineStage]:
+    """Each pipeline stage's mean over its ranks that recorded."""
+    by_stage: dict[int, list[TrainerBreakdown]] = {}
+    for t in trainer:
+        if t.parallel is not None:
+            by_stage.setdefault(t.parallel.pp, []).append(t)
+    stages = []
+    for stage, rows in sorted(by_stage.items()):
+        training = sum(t.training_s for t in rows) / len(rows)
+        bubble = sum(t.pipeline_wait_s or 0.0 for t in rows) / len(rows)
+        stages.append(
+            PipelineStage(
+                stage=stage,
+                ranks=[t.rank for t in rows],
+                training_s=round(training, 6),
+                compute_s=round(training - bubble, 6),
+                bubble_s=round(bubble, 6),
+                bubble_share=round(bubble / training, 4) if training > 0 else None,
+            )
+        )
+    return stages
 
 
 def _imbalance(replicas: list[ReplicaBreakdown]) -> Imbalance:

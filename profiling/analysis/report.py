@@ -201,6 +201,7 @@ def _breakdown_section(s: StepSummary) -> list[str]:
         *parts,
         _replicas_table(b),
         _trainer_table(b),
+        _pipeline_table(b),
         _facts_table(b),
         _slowest_table(b),
         '<p class="note">In the window, generating: a request in flight and admission open; held: admission '
@@ -237,12 +238,32 @@ def _trainer_table(b: StepBreakdown) -> str:
         "<th>other s</th><th>finalizing s</th><th>exporting s</th></tr>"
     )
     rows = "".join(
-        f'<tr><td class="l">{t.rank}</td><td>{_num(t.window_s)}</td>'
+        f'<tr><td class="l">{_e(t.name or str(t.rank))}</td><td>{_num(t.window_s)}</td>'
         f'<td>{_num(t.training_s)}</td><td>{_num(t.sync_s)}</td>'
         f"<td>{_num(t.other_s)}</td><td>{_num(t.finalizing_s)}</td><td>{_num(t.exporting_s)}</td></tr>"
         for t in b.trainer
     )
     return "<table>" + head + rows + "</table>"
+
+
+def _pipeline_table(b: StepBreakdown) -> str:
+    if not b.pipeline:
+        return ""
+    head = (
+        "<tr><th class='l'>pipeline stage</th><th class='l'>ranks</th><th>training s</th><th>compute s</th>"
+        "<th>bubble s</th><th>bubble share</th></tr>"
+    )
+    rows = "".join(
+        f'<tr><td class="l">pp{st.stage}</td><td class="l">{", ".join(map(str, st.ranks))}</td>'
+        f"<td>{_num(st.training_s)}</td><td>{_num(st.compute_s)}</td><td>{_num(st.bubble_s)}</td>"
+        f"<td>{'-' if st.bubble_share is None else f'{st.bubble_share:.0%}'}</td></tr>"
+        for st in b.pipeline
+    )
+    note = (
+        '<p class="note">Per pipeline stage, the mean of its ranks: the bubble is the time its mini-batches '
+        "waited in point-to-point sends and receives on the neighbouring stages; compute is the rest.</p>"
+    )
+    return "<table>" + head + rows + "</table>" + note
 
 
 def _facts_table(b: StepBreakdown) -> str:

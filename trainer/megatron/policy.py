@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -39,7 +40,7 @@ class MegatronPolicy:
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
         torch.manual_seed(seed)
-        hf = AutoConfig.from_pretrained(model_dir)
+        hf: Any = AutoConfig.from_pretrained(model_dir)  # a LlamaConfig
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.hf_config = hf
         self.shape = llama_names.LlamaShape(
@@ -72,7 +73,7 @@ class MegatronPolicy:
         self.clip_ratio = clip_ratio
         self._pad = self.tokenizer.pad_token_id
 
-    def _build(self, hf: AutoConfig) -> tuple[torch.nn.Module, int]:
+    def _build(self, hf: Any) -> tuple[torch.nn.Module, int]:
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.transformer import TransformerConfig
@@ -129,7 +130,7 @@ class MegatronPolicy:
             (
                 llama_names.global_name(name, self.layer_offset),
                 p,
-                p.partition_dim if getattr(p, "tensor_model_parallel", False) else None,
+                getattr(p, "partition_dim", None) if getattr(p, "tensor_model_parallel", False) else None,
             )
             for name, p in self.model.named_parameters()
         ]
@@ -217,6 +218,36 @@ class MegatronPolicy:
                 group=self.ps.get_pipeline_model_parallel_group(),
             )
         return float(loss)
+
+    @torch.no_grad()
+    def logits(self, ids: torch.Tensor) -> torch.Tensor | None:
+        """Megatron's own forward of token ids `ids` [batch, seq] through every stage: the full
+        vocabulary's logits [batch, seq, vocab] on the last stage's ranks, None on the others
+        (every rank of the replica calls it)."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+        rows, width = ids.shape
+        positions = torch.arange(width).expand(rows, width)
+
+        def forward_step(data: object, model: torch.nn.Module) -> tuple[torch.Tensor, object]:
+            output = model(next(data), positions, None)  # type: ignore[call-overload]
+            return output, lambda out: (out.sum() * 0, {"logits": gather_from_tensor_model_parallel_region(out)})
+
+        self.model.eval()
+        try:
+            out = get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=iter([ids]),
+                model=[self.model],
+                num_microbatches=1,
+                seq_length=width,
+                micro_batch_size=rows,
+                forward_only=True,
+            )
+        finally:
+            self.model.train()
+        return out[0]["logits"] if self.parallel.last_stage else None
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model in Hugging Face Llama names on global rank 0, the others an empty dict:
