@@ -70,7 +70,7 @@ CUDA_LITERAL_MODULES = ("megatron.core.pipeline_parallel.schedules", "megatron.c
 default causal mask)."""
 
 GPU_PACKAGE_WARNINGS = (
-    r"(Transformer Engine and )?Apex is not installed",
+    r"(Transformer Engine and )?Apex (is|are) not installed",
     r".*CUDA_DEVICE_MAX_CONNECTIONS",
 )
 """megatron-core's warnings that a GPU-only package or setting is absent: on the CPU, not news."""
