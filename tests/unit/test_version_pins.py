@@ -63,8 +63,7 @@ def _with_project(pyproject: dict, **fields: object) -> dict:
         (
             lambda p, d, o: (
                 _with_project(
-                    p,
-                    **{"optional-dependencies": {**p["project"]["optional-dependencies"], "megatron": ["megatron-core"]}},
+                    p, **{"optional-dependencies": {**p["project"]["optional-dependencies"], "megatron": ["x"]}}
                 ),
                 d,
                 o,
