@@ -5,7 +5,7 @@ rollout's logprobs, since samples may be a few versions stale)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from pydantic import BaseModel
@@ -95,7 +95,33 @@ class TrainingPolicy(Protocol):
     def save(self, path: Path, state: dict[str, torch.Tensor] | None = None) -> Path: ...
 
 
-class Policy:
+class PolicyBase:
+    """What both backends share: the served model's tokenizer (`self.tokenizer`) and writing the
+    published weights; a subclass fills `full_state_dict`."""
+
+    tokenizer: Any
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def token_id(self, text: str) -> int:
+        ids = self.tokenizer(text).input_ids
+        if len(ids) != 1:
+            raise ValueError(f"reward_text {text!r} is {len(ids)} tokens ({ids}); pick one that is one token")
+        return ids[0]
+
+    def save(self, path: Path, state: dict[str, torch.Tensor] | None = None) -> Path:
+        """Write the current weights (or `state`, already gathered) as one safetensors file
+        (atomically)."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        state = state if state is not None else self.full_state_dict()
+        save_file(state, str(tmp))
+        tmp.replace(path)
+        return path
+
+
+class Policy(PolicyBase):
     def __init__(self, model_dir: str, lr: float, clip_ratio: float, seed: int, *, shard: bool = False):
         """`shard`: wrap the model with FSDP2's `fully_shard` (each decoder layer, then the whole),
         over the default process group: every rank of it must construct the policy."""
@@ -113,12 +139,6 @@ class Policy:
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=lr)
         self.clip_ratio = clip_ratio
         self._pad = self.tokenizer.pad_token_id
-
-    def token_id(self, text: str) -> int:
-        ids = self.tokenizer(text).input_ids
-        if len(ids) != 1:
-            raise ValueError(f"reward_text {text!r} is {len(ids)} tokens ({ids}); pick one that is one token")
-        return ids[0]
 
     @property
     def context_len(self) -> int:
@@ -155,13 +175,3 @@ class Policy:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         gathered = get_model_state_dict(self.model, options=options)
         return {k: v.contiguous() for k, v in gathered.items() if isinstance(v, torch.Tensor)}
-
-    def save(self, path: Path, state: dict[str, torch.Tensor] | None = None) -> Path:
-        """Write the current weights (or `state`, already gathered) as one safetensors file
-        (atomically)."""
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        state = state if state is not None else self.full_state_dict()
-        save_file(state, str(tmp))
-        tmp.replace(path)
-        return path

@@ -17,17 +17,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from transformers import AutoConfig, AutoTokenizer
 
 from profiling.manifest import ParallelRank
 from trainer.megatron import cpu_patches, llama_names
-from trainer.policy import Sample, Share
+from trainer.policy import PolicyBase, Sample, Share
 
 log = logging.getLogger(__name__)
 
 
-class MegatronPolicy:
+class MegatronPolicy(PolicyBase):
     """The policy as megatron-core's GPTModel at tensor parallelism `tp` and pipeline parallelism
     `pp` (the data-parallel size is the process group's size over tp * pp), started from the
     Hugging Face checkpoint in `model_dir` (the model the replicas serve)."""
@@ -153,12 +153,6 @@ class MegatronPolicy:
         """The longest sequence the policy (the served model) takes."""
         return int(self.hf_config.max_position_embeddings)
 
-    def token_id(self, text: str) -> int:
-        ids = self.tokenizer(text).input_ids
-        if len(ids) != 1:
-            raise ValueError(f"reward_text {text!r} is {len(ids)} tokens ({ids}); pick one that is one token")
-        return ids[0]
-
     def data_part(self, rank: int, world_size: int) -> tuple[int, int]:
         """The share of each mini-batch this rank trains on: its data-parallel replica's (every
         tensor- and pipeline-parallel rank of a replica trains on the same samples)."""
@@ -282,11 +276,3 @@ class MegatronPolicy:
         for src in pp_ranks[1:]:
             merged.update(receive_stage(src))
         return merged
-
-    def save(self, path: Path, state: dict[str, torch.Tensor] | None = None) -> Path:
-        """Write the gathered weights (or `state`) as one safetensors file (atomically), on rank 0."""
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        save_file(state if state is not None else self.full_state_dict(), str(tmp))
-        tmp.replace(path)
-        return path
