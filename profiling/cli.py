@@ -450,7 +450,7 @@ def _print_breakdown(s: StepSummary) -> None:
             ranks.add_column(col, justify="left" if col == "process" else "right")
         for t in b.trainer:
             ranks.add_row(
-                t.name or f"trainer rank {t.rank}",
+                t.name,
                 *(_s(v) for v in (t.training_s, t.sync_s, t.other_s, t.finalizing_s, t.exporting_s)),
             )
         out.print(ranks)

@@ -4,8 +4,9 @@ rollout's logprobs, since samples may be a few versions stale)."""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from pydantic import BaseModel
@@ -69,40 +70,34 @@ class Share:
         return -(objective * self.mask).sum() / tokens
 
 
-class TrainingPolicy(Protocol):
+class TrainingPolicy(ABC):
     """What the training loop needs of a policy, whatever trains it (`trainer.backend`): the FSDP
-    `Policy` here, `MegatronPolicy` (trainer/megatron/policy.py)."""
+    `Policy` here, `MegatronPolicy` (trainer/megatron/policy.py). Both share the reward token and
+    the write of the published weights; each fills the rest."""
+
+    tokenizer: Any
+    """The served model's tokenizer."""
+    parallel: ParallelRank | None
+    """This rank's place in a Megatron grid (None: the backend has none)."""
 
     @property
-    def parallel(self) -> ParallelRank | None:
-        """This rank's place in a Megatron grid (None: the backend has none)."""
-        ...
+    @abstractmethod
+    def context_len(self) -> int:
+        """The longest sequence the policy (the served model) takes."""
 
-    @property
-    def context_len(self) -> int: ...
+    @abstractmethod
+    def data_part(self, rank: int, world_size: int) -> tuple[int, int]:
+        """The share of each mini-batch that trainer rank `rank` of `world_size` trains on, as
+        `train_step`'s `part`."""
 
-    def token_id(self, text: str) -> int: ...
+    @abstractmethod
+    def train_step(self, batch: list[Sample], part: tuple[int, int] = (0, 1)) -> float:
+        """One optimizer step on rank `part[0]` of `part[1]`'s share of `batch`; returns the loss."""
 
-    def data_part(self, rank: int, world_size: int) -> tuple[int, int]: ...
-
-    def train_step(self, batch: list[Sample], part: tuple[int, int] = (0, 1)) -> float: ...
-
+    @abstractmethod
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model in Hugging Face names on the publishing rank (rank 0), {} on the others:
         a collective every rank joins."""
-        ...
-
-    def save(self, path: Path, state: dict[str, torch.Tensor] | None = None) -> Path: ...
-
-
-class PolicyBase:
-    """What both backends share: the served model's tokenizer (`self.tokenizer`) and writing the
-    published weights; a subclass fills `full_state_dict`."""
-
-    tokenizer: Any
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        raise NotImplementedError
 
     def token_id(self, text: str) -> int:
         ids = self.tokenizer(text).input_ids
@@ -121,7 +116,7 @@ class PolicyBase:
         return path
 
 
-class Policy(PolicyBase):
+class Policy(TrainingPolicy):
     def __init__(self, model_dir: str, lr: float, clip_ratio: float, seed: int, *, shard: bool = False):
         """`shard`: wrap the model with FSDP2's `fully_shard` (each decoder layer, then the whole),
         over the default process group: every rank of it must construct the policy."""
@@ -129,7 +124,7 @@ class Policy(PolicyBase):
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.model = LlamaForCausalLM.from_pretrained(model_dir).train()
         self.sharded = shard
-        self.parallel: ParallelRank | None = None
+        self.parallel = None
         if shard:
             from torch.distributed.fsdp import fully_shard
 

@@ -43,7 +43,7 @@ class TrainerBreakdown(BaseModel):
     """One trainer rank over the step (seconds)."""
 
     rank: int
-    name: str = ""
+    name: str
     """`trainer rank 0`, or with Megatron's coordinates `trainer tp1 pp0 (rank 1)`."""
     parallel: ParallelRank | None = None
     pipeline_wait_s: float | None = None

@@ -238,7 +238,7 @@ def _trainer_table(b: StepBreakdown) -> str:
         "<th>other s</th><th>finalizing s</th><th>exporting s</th></tr>"
     )
     rows = "".join(
-        f'<tr><td class="l">{_e(t.name or str(t.rank))}</td><td>{_num(t.window_s)}</td>'
+        f'<tr><td class="l">{_e(t.name)}</td><td>{_num(t.window_s)}</td>'
         f'<td>{_num(t.training_s)}</td><td>{_num(t.sync_s)}</td>'
         f"<td>{_num(t.other_s)}</td><td>{_num(t.finalizing_s)}</td><td>{_num(t.exporting_s)}</td></tr>"
         for t in b.trainer

@@ -82,9 +82,8 @@ _logged: set[str] = set()
 def _caller_site(depth: int) -> tuple[str, str]:
     """The module name and `file:line` of the frame `depth` levels above the caller."""
     frame = sys._getframe(depth + 1)
-    return frame.f_globals.get(
-        "__name__", ""
-    ), f"{frame.f_code.co_filename.split('site-packages/')[-1]}:{frame.f_lineno}"
+    where = frame.f_code.co_filename.split("site-packages/")[-1]
+    return frame.f_globals.get("__name__", ""), f"{where}:{frame.f_lineno}"
 
 
 def _from_owner(module: str) -> bool:
@@ -139,8 +138,8 @@ class _CpuFactories(types.ModuleType):
             device = kwargs.get("device")
             if device == "cuda" or (isinstance(device, torch.device) and device.type == "cuda"):
                 kwargs["device"] = "cpu"
-                if f"{name}(device='cuda')" not in _logged:
-                    _logged.add(f"{name}(device='cuda')")
+                if (key := f"{name}(device='cuda')") not in _logged:
+                    _logged.add(key)
                     log.info("no CUDA device: megatron-core's torch.%s(device='cuda') made on the CPU", name)
             return value(*args, **kwargs)
 

@@ -22,15 +22,18 @@ from transformers import AutoConfig, AutoTokenizer
 
 from profiling.manifest import ParallelRank
 from trainer.megatron import cpu_patches, llama_names
-from trainer.policy import PolicyBase, Sample, Share
+from trainer.policy import Sample, Share, TrainingPolicy
 
 log = logging.getLogger(__name__)
 
 
-class MegatronPolicy(PolicyBase):
+class MegatronPolicy(TrainingPolicy):
     """The policy as megatron-core's GPTModel at tensor parallelism `tp` and pipeline parallelism
     `pp` (the data-parallel size is the process group's size over tp * pp), started from the
     Hugging Face checkpoint in `model_dir` (the model the replicas serve)."""
+
+    parallel: ParallelRank
+    """This rank's tensor-, pipeline- and data-parallel ranks."""
 
     def __init__(
         self, model_dir: str, lr: float, clip_ratio: float, seed: int, *, tp: int, pp: int, micro_batch_size: int
