@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -18,12 +18,16 @@ from profiling.cli import print_verify_report
 from profiling.manifest import StepManifest
 from profiling.schedule import StepSchedule
 from profiling.store import TraceStore
+from profiling.weight_source import WeightSource
 from trainer.client import AppAddress, RolloutError
 from trainer.config import ConfigError, TrainerConfig, load_config
 from trainer.finish_hook import run_finish_hook
 from trainer.launch import RankDied, launch_ranks
 from trainer.loop import RunResult, VersionStats, run_training
 from trainer.report import finish_steps, profile_table, wait_for_manifests
+
+if TYPE_CHECKING:
+    from trainer.in_cluster import AppCluster  # imports Ray: only object-store jobs load it
 
 log = logging.getLogger("trainer")
 cli = typer.Typer(add_completion=False, help=__doc__)
@@ -102,6 +106,7 @@ async def _run(
     with contextlib.ExitStack() as stack:
         model_dir = cfg.trainer.model_path
         address: AppAddress
+        cluster: AppCluster | None = None
         if cfg.rollout.url is not None:
             address = AppAddress(
                 url=cfg.rollout.url, control_url=cfg.rollout.control_url, control_token=cfg.rollout.control_token
@@ -121,6 +126,10 @@ async def _run(
                 )
             )
             address, model_dir = app.address, app.model_dir
+            if cfg.trainer.weight_transfer == WeightSource.OBJECT_STORE:
+                from trainer.in_cluster import AppCluster
+
+                cluster = AppCluster(address=app.ray_address, app_name=app.name)
         if model_dir is None:
             raise ConfigError("trainer.model_path is required with rollout.url (the app's initial weights)")
         progress = Progress(
@@ -140,10 +149,10 @@ async def _run(
 
         with progress:
             if cfg.trainer.launches_ranks:
-                result = await asyncio.to_thread(launch_ranks, cfg, address, model_dir, on_version)
+                result = await asyncio.to_thread(launch_ranks, cfg, address, model_dir, on_version, cluster=cluster)
             else:
                 async with address.client() as client:
-                    result = await run_training(cfg, client, model_dir, on_version)
+                    result = await run_training(cfg, client, model_dir, on_version, cluster=cluster)
         manifests, report = {}, None
         if cfg.global_profiler.profiles:
             store = TraceStore(cfg.global_profiler.save_path)

@@ -154,13 +154,15 @@ class TrainerSection(StrictModel):
         default_factory=MegatronSection, description="backend megatron: its parallel layout."
     )
     weight_transfer: Annotated[
-        Literal[WeightSource.PATH, WeightSource.COLLECTIVE], BeforeValidator(read_old_spelling)
+        Literal[WeightSource.PATH, WeightSource.OBJECT_STORE, WeightSource.COLLECTIVE],
+        BeforeValidator(read_old_spelling),
     ] = Field(
         WeightSource.PATH,
         description="How published versions reach the replicas: path (a safetensors file in weights_dir, "
-        "its path sent to POST /weights/update; `file`, the old spelling, is read as path), or collective "
-        "(rank 0 broadcasts the state dict to the replicas over a process group; the app's weight_transfer "
-        "must be collective too).",
+        "its path sent to POST /weights/update; `file`, the old spelling, is read as path), object_store "
+        "(rank 0 joins the local app's Ray cluster and puts the state dict in its object store; needs "
+        "rollout.url unset), or collective (rank 0 broadcasts the state dict to the replicas over a process "
+        "group; the app's weight_transfer must be collective too).",
     )
     collective_address: str = Field(
         "127.0.0.1",
@@ -282,6 +284,18 @@ class TrainerConfig(StrictModel):
                 "records with one tool; remove profiler.tool or make them agree"
             )
         self.profiler = self.profiler.model_copy(update={"tool": chosen})
+        return self
+
+    @model_validator(mode="after")
+    def _object_store_in_the_apps_cluster(self) -> TrainerConfig:
+        """The object store is reached from inside the app's Ray cluster: the local app's."""
+        if self.trainer.weight_transfer == WeightSource.OBJECT_STORE and self.rollout.url is not None:
+            raise ValueError(
+                f"trainer.weight_transfer object_store needs the trainer in the app's Ray cluster, but rollout.url "
+                f"is set ({self.rollout.url}): the main job joins only the cluster of the app it starts; unset "
+                "rollout.url, or use path or collective (a trainer of your own in the app's cluster publishes "
+                "with InClusterPublisher: docs/trainer.md#weight-transfer-modes)"
+            )
         return self
 
     @model_validator(mode="after")

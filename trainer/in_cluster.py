@@ -5,15 +5,41 @@ a path instead."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 
 import ray
 import torch
+from pydantic import BaseModel
 from ray import serve
 
 from serve_app.api import UpdateWeightsResponse
 from serve_app.errors import ControlError
 from trainer.client import RolloutError
+
+
+class AppCluster(BaseModel):
+    """Where a trainer process finds the app inside its Ray cluster (the main job's
+    `trainer.weight_transfer: object_store`)."""
+
+    address: str
+    """The cluster's GCS address (`ray.get_runtime_context().gcs_address` in a driver of it)."""
+    app_name: str
+    """The Serve application's name."""
+
+    @contextlib.contextmanager
+    def joined(self) -> Iterator[None]:
+        """This process as a driver of the cluster while the block runs: joins it unless the process
+        already is one (the main job's own process, which started the local app), and leaves it after."""
+        if ray.is_initialized():
+            yield
+            return
+        # The replicas' logs stay in their own files, as the local app's driver keeps them.
+        ray.init(address=self.address, log_to_driver=False)
+        try:
+            yield
+        finally:
+            ray.shutdown()
 
 
 class InClusterWeights:

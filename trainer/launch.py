@@ -21,7 +21,7 @@ import signal
 import time
 from collections.abc import Sequence
 from multiprocessing.process import BaseProcess
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from profiling.schedule import StepSchedule
 from profiling.store import TraceStore
@@ -29,6 +29,9 @@ from trainer.client import AppAddress
 from trainer.config import TrainerConfig
 from trainer.distributed import DRIVER_RANK, Ranks, Rendezvous, host_rendezvous, init_group
 from trainer.loop import ProgressHook, RunResult, VersionStats
+
+if TYPE_CHECKING:
+    from trainer.in_cluster import AppCluster  # imports Ray: only rank 0 of an object-store job loads it
 
 log = logging.getLogger(__name__)
 GRACE_S = 30.0
@@ -45,18 +48,21 @@ def launch_ranks(
     model_dir: str,
     on_version: ProgressHook | None = None,
     grace_s: float = GRACE_S,
+    cluster: AppCluster | None = None,
 ) -> RunResult:
-    """Run `cfg.trainer.world_size` ranks against `app` (blocking); rank 0's result."""
+    """Run `cfg.trainer.world_size` ranks against `app` (blocking); rank 0's result. `cluster`: the
+    app's Ray cluster, which rank 0 joins to publish through its object store."""
     world = cfg.trainer.world_size
     ctx = mp.get_context("spawn")  # a fresh interpreter per rank: no Ray, no event loop inherited
     reports: Any = ctx.Queue()
     # Bound before any rank starts, so no port can be taken in between; serves until the ranks end.
     store, rendezvous = host_rendezvous(cfg.trainer.dist_timeout_s)
     cfg_json, rendezvous_json = cfg.model_dump_json(exclude_unset=True), rendezvous.model_dump_json()
+    cluster_json = None if cluster is None else cluster.model_dump_json()
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(cfg_json, r, rendezvous_json, app.model_dump_json(), model_dir, reports),
+            args=(cfg_json, r, rendezvous_json, app.model_dump_json(), model_dir, reports, cluster_json),
             name=f"trainer-rank-{r}",
         )
         for r in range(world)
@@ -140,8 +146,17 @@ def _stop_survivors(procs: Sequence[BaseProcess], grace_s: float) -> None:
             p.join()
 
 
-def _rank_main(cfg_json: str, rank: int, rendezvous_json: str, app_json: str, model_dir: str, reports: Any) -> None:
-    """One rank's process: join the group, train, report (rank 0)."""
+def _rank_main(
+    cfg_json: str,
+    rank: int,
+    rendezvous_json: str,
+    app_json: str,
+    model_dir: str,
+    reports: Any,
+    cluster_json: str | None,
+) -> None:
+    """One rank's process: join the group (and rank 0 the app's Ray cluster, for object-store
+    weights), train, report (rank 0)."""
     import torch
 
     from profiling.backends.torch_profiler import init_kineto, quiet_kineto_env
@@ -160,13 +175,20 @@ def _rank_main(cfg_json: str, rank: int, rendezvous_json: str, app_json: str, mo
     def on_version(s: VersionStats) -> None:
         reports.put(("version", s.model_dump_json()))
 
-    async def go() -> RunResult:
+    async def go(cluster: AppCluster | None) -> RunResult:
         if not ranks.drives:  # the other ranks never talk to the app
             return await run_training(cfg, None, model_dir, None, ranks)
         async with AppAddress.model_validate_json(app_json).client() as client:
-            return await run_training(cfg, client, model_dir, on_version, ranks)
+            return await run_training(cfg, client, model_dir, on_version, ranks, cluster)
 
-    result = asyncio.run(go())
+    if cluster_json is not None and ranks.drives:
+        from trainer.in_cluster import AppCluster
+
+        cluster = AppCluster.model_validate_json(cluster_json)
+        with cluster.joined():
+            result = asyncio.run(go(cluster))
+    else:
+        result = asyncio.run(go(None))
     if ranks.drives:
         reports.put(("result", result.model_dump_json()))
     import torch.distributed as dist

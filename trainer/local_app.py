@@ -24,6 +24,8 @@ class LocalApp(BaseModel):
     """The app's control token, read as its ingress reads it (None: the app has none)."""
     control_url: str | None = None
     """The app's control listener (None: its args set none)."""
+    ray_address: str
+    """The private cluster's GCS address, for a trainer process that joins it (object-store weights)."""
 
     @property
     def address(self) -> AppAddress:
@@ -119,8 +121,11 @@ def local_rollout_app(serve_config: str | Path, overrides: dict[str, Any]) -> It
     with local_cluster() as port:
         base_url = run_app(port, name, args)
         control = parsed.control_listener
+        import ray
+
         yield LocalApp(
             name=name,
+            ray_address=ray.get_runtime_context().gcs_address,
             base_url=base_url,
             model_dir=model_dir,
             args=args,

@@ -14,6 +14,7 @@ import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, Field
 
@@ -25,7 +26,17 @@ from trainer.client import RolloutClient
 from trainer.config import TrainerConfig
 from trainer.distributed import Ranks, share_from_driver
 from trainer.policy import Policy, Sample, TrainingPolicy
-from trainer.profiled_sync import CollectivePublisher, PathPublisher, ProfiledWeightSync, WeightPublisher, Weights
+from trainer.profiled_sync import (
+    CollectivePublisher,
+    InClusterPublisher,
+    PathPublisher,
+    ProfiledWeightSync,
+    WeightPublisher,
+    Weights,
+)
+
+if TYPE_CHECKING:
+    from trainer.in_cluster import AppCluster  # imports Ray: only jobs in the app's cluster load it
 
 PROMPTS = [
     "The rollout server",
@@ -131,11 +142,13 @@ async def run_training(
     model_dir: str,
     on_version: ProgressHook | None = None,
     ranks: Ranks | None = None,
+    cluster: AppCluster | None = None,
 ) -> RunResult:
     """Train for `total_versions` versions against the app behind `client`. `ranks`: this
     process's rank of `trainer.world_size` (their process group joined; docs/trainer.md#several-ranks):
     the driving rank samples, shares each mini-batch and publishes; the others train on their
-    share and have no client."""
+    share and have no client. `cluster`: the app's Ray cluster, which this process has joined
+    (`trainer.weight_transfer: object_store`, on the driving rank)."""
     t = cfg.trainer
     ranks = ranks or Ranks()
     executor = ThreadPoolExecutor(1, thread_name_prefix="trainer-model")
@@ -146,7 +159,7 @@ async def run_training(
     context_len = policy.context_len
     weights_dir = Path(t.weights_dir).resolve()
     schedule = StepSchedule.from_config(cfg.global_profiler)
-    publisher = _publisher(cfg, client) if ranks.drives else PathPublisher()
+    publisher = _publisher(cfg, client, cluster) if ranks.drives else PathPublisher()
     by_file = isinstance(publisher, PathPublisher)
     sync = ProfiledWeightSync(
         schedule,
@@ -188,11 +201,21 @@ async def run_training(
     return result
 
 
-def _publisher(cfg: TrainerConfig, client: RolloutClient | None) -> WeightPublisher:
-    """The publisher of `trainer.weight_transfer`: weight files, or a broadcast to the replicas."""
+def _publisher(cfg: TrainerConfig, client: RolloutClient | None, cluster: AppCluster | None) -> WeightPublisher:
+    """The publisher of `trainer.weight_transfer`: weight files, the object store of the app's
+    cluster, or a broadcast to the replicas."""
     t = cfg.trainer
     if t.weight_transfer == WeightSource.PATH or client is None:
         return PathPublisher()
+    if t.weight_transfer == WeightSource.OBJECT_STORE:
+        if cluster is None:
+            raise ValueError(
+                "trainer.weight_transfer object_store: this process is not in the app's Ray cluster; run the "
+                "main job with rollout.url unset (it starts the app), or publish by path or collective"
+            )
+        from trainer.in_cluster import InClusterWeights  # lazy: only jobs in the app's cluster need Ray
+
+        return InClusterPublisher(InClusterWeights(cluster.app_name))
     from trainer.collective import CollectiveWeights  # lazy: only jobs that broadcast need it
 
     return CollectivePublisher(

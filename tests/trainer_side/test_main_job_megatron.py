@@ -1,7 +1,8 @@
 """The main job with `trainer.backend: megatron` (config/trainer.megatron.yaml; docs/trainer.md#megatron):
 at tensor parallelism 2, steps 1, 2 and 5 complete with both ranks' traces and their Megatron
-coordinates, the replicas on weights k-1, `verify` clean; at pipeline parallelism 2 (shorter),
-the same, and summarize shows each stage's training time and bubble."""
+coordinates, the replicas on weights k-1, `verify` clean, weights by path; at pipeline parallelism 2
+(shorter), the same with the weights through the app's object store, and summarize shows each
+stage's training time and bubble."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ def pp2_job(tmp_path_factory):
         "global_profiler.steps=[1,2]",
         "trainer.megatron.tensor_parallel_size=1",
         "trainer.megatron.pipeline_parallel_size=2",
+        "trainer.weight_transfer=object_store",
         config=CONFIG,
     )
 
@@ -52,7 +54,7 @@ def _verify(job) -> None:
     assert verify.returncode == 0, verify.stdout + verify.stderr
 
 
-def _check_layout(job, steps: list[int], grid: dict[int, tuple[int, int]]) -> None:
+def _check_layout(job, steps: list[int], grid: dict[int, tuple[int, int]], transfer: str) -> None:
     assert job.returncode == 0, job.log
     assert f"{len(steps)} steps verified: 0 violations" in job.stdout, job.log
     assert "ERROR" not in job.stderr, job.stderr[-4000:]
@@ -62,6 +64,7 @@ def _check_layout(job, steps: list[int], grid: dict[int, tuple[int, int]]) -> No
         trainer = {e["rank"]: e for e in by_role(m, "trainer")}
         assert {r: (e["parallel"]["tp"], e["parallel"]["pp"]) for r, e in trainer.items()} == grid, trainer
         assert m["sync"]["gather_s"] is not None and 0 < m["sync"]["gather_s"] <= m["sync"]["publish_s"], m["sync"]
+        assert m["sync"]["transfer"] == transfer, m["sync"]
         names = _process_names(job.profile / f"step_{k}" / "merged.trace.json.gz")
         for tp, pp in grid.values():
             assert any(n.startswith(f"trainer tp{tp} pp{pp} (rank ") for n in names), names
@@ -73,11 +76,11 @@ def _check_layout(job, steps: list[int], grid: dict[int, tuple[int, int]]) -> No
 
 
 def test_tensor_parallel_2_profiles_steps_1_2_5_on_both_ranks(tp2_job):
-    _check_layout(tp2_job, [1, 2, 5], {0: (0, 0), 1: (1, 0)})
+    _check_layout(tp2_job, [1, 2, 5], {0: (0, 0), 1: (1, 0)}, "path")
 
 
-def test_pipeline_parallel_2_profiles_both_stages_with_their_bubble(pp2_job):
-    _check_layout(pp2_job, [1, 2], {0: (0, 0), 1: (0, 1)})
+def test_pipeline_parallel_2_profiles_both_stages_with_their_bubble_weights_by_object_store(pp2_job):
+    _check_layout(pp2_job, [1, 2], {0: (0, 0), 1: (0, 1)}, "object_store")
     summary = subprocess.run(
         [sys.executable, "-m", "profiling", "summarize", str(pp2_job.profile), "--step", "1", "--json"],
         cwd=REPO_ROOT,

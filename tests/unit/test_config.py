@@ -181,6 +181,21 @@ def test_weight_sources_are_one_vocabulary_and_the_old_spelling_still_reads():
         UpdateWeightsRequest(version=1, source="peer")
 
 
+def test_the_main_job_publishes_through_the_object_store_only_of_the_app_it_starts():
+    """trainer.weight_transfer object_store: the publishing rank joins the local app's cluster; with
+    rollout.url (an app elsewhere) the config is refused, naming both keys and the ways out."""
+    from trainer.config import TrainerConfig
+
+    cfg = TrainerConfig.model_validate({"trainer": {"weight_transfer": "object_store"}})
+    assert cfg.trainer.weight_transfer == "object_store"
+    with pytest.raises(ValidationError, match=r"object_store needs the trainer in the app's Ray cluster.*rollout\.url"):
+        TrainerConfig.model_validate(
+            {"trainer": {"weight_transfer": "object_store"}, "rollout": {"url": "http://127.0.0.1:8000"}}
+        )
+    with pytest.raises(ValidationError, match=r"'path', 'object_store' or 'collective'"):
+        TrainerConfig.model_validate({"trainer": {"weight_transfer": "external"}})
+
+
 # -- retention -----------------------------------------------------------------------------
 @pytest.mark.parametrize("max_exporting_steps", [1, 4])
 def test_keep_steps_must_leave_room_for_the_export_backlog_and_the_started_step(max_exporting_steps):
