@@ -88,32 +88,3 @@ def run_layout(tp: int, pp: int, model_dir: Path, out: Path, world: int | None =
     assert codes == [0] * world, f"tp {tp} pp {pp}: the ranks exited with {codes}"
     ranks = [json.loads((out / f"rank_{r}.json").read_text()) for r in range(world)]
     return {"ranks": ranks, "checkpoint": out / "checkpoint", "logits": out / "megatron_logits.safetensors"}
-
-
-def vllm_prompt_logprobs(checkpoints: list[str]) -> list[list[list[float | None]]]:
-    """Each checkpoint served by vLLM (one engine at a time): the logprob of every token of each
-    PROBE sequence given the ones before it (None for the first)."""
-    import gc
-
-    from vllm import LLM, SamplingParams
-
-    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
-    result = []
-    for ckpt in checkpoints:
-        llm = LLM(model=ckpt, dtype="float32", max_model_len=256, enforce_eager=True, seed=0)
-        outs = llm.generate([{"prompt_token_ids": ids} for ids in PROBE], params, use_tqdm=False)
-        result.append(
-            [
-                [None if lp is None else lp[ids[i]].logprob for i, lp in enumerate(o.prompt_logprobs)]
-                for o, ids in zip(outs, PROBE, strict=True)
-            ]
-        )
-        del llm
-        gc.collect()
-    return result
-
-
-if __name__ == "__main__":  # python megatron_ranks.py OUT.json CHECKPOINT... (vLLM in its own process)
-    import sys
-
-    Path(sys.argv[1]).write_text(json.dumps(vllm_prompt_logprobs(sys.argv[2:])))

@@ -1,19 +1,18 @@
 """The Megatron backend's policy on megatron-core for real (CPU, gloo; docs/trainer.md#megatron):
 one training step on one batch gives the same loss at tensor parallelism 2, pipeline parallelism 2
 and 1, and as the FSDP backend's policy; the gathered checkpoint has the Hugging Face Llama names
-and, loaded by the embedded engine and by vLLM, gives megatron's own logits, for both layouts.
+and, loaded by the embedded engine and by a served vLLM replica (moved in by the trainer's own
+transfer and through the object store), gives megatron's own logits, for both layouts.
 
 Not skipped when megatron-core is missing: CI installs the `megatron` extra, and a run without it
 must fail here."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
+import asyncio
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -29,6 +28,7 @@ LOGITS_TOL = 1e-4
 """float32 on one machine: the layouts differ only in the order of the sums."""
 VLLM_LOGPROB_TOL = 2e-3
 """vLLM's CPU kernels (its own attention and matmuls) against megatron's, in float32."""
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "HF_HUB_OFFLINE": "1"}
 
 
 @pytest.fixture(scope="module")
@@ -89,30 +89,99 @@ def test_a_wrongly_regrouped_checkpoint_fails_the_parity_check(runs, model_dir, 
     assert (megatron - _embedded_engine_logits(model_dir, bad)).abs().max().item() > LOGITS_TOL
 
 
-@pytest.mark.timeout(600)
-def test_the_published_checkpoint_gives_megatrons_logprobs_in_vllm(runs, tmp_path):
-    out = tmp_path / "vllm.json"
-    env = {
-        **os.environ,
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-        "HF_HUB_OFFLINE": "1",
-    }
-    script = Path(__file__).with_name("megatron_ranks.py")
-    layouts = ["tp2", "pp2"]
-    proc = subprocess.run(
-        [sys.executable, str(script), str(out), *(str(runs[n]["checkpoint"]) for n in layouts)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=540,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    served = json.loads(out.read_text())
-    for name, logprobs in zip(layouts, served, strict=True):
-        megatron = torch.log_softmax(load_file(str(runs[name]["logits"]))["logits"], -1)
-        for row, ids in enumerate(PROBE):
-            assert logprobs[row][0] is None
-            for i in range(1, len(ids)):
-                expected = megatron[row, i - 1, ids[i]].item()
-                assert abs(logprobs[row][i] - expected) < VLLM_LOGPROB_TOL, (name, row, i, logprobs[row][i], expected)
+@pytest.fixture(scope="module")
+def vllm_app(ray_cluster, model_dir, tmp_path_factory):
+    """A real vLLM replica (vllm-cpu, float32) serving the model the Megatron runs start from."""
+    import vllm  # noqa: F401 - fail loudly (not skip) when vLLM is not installed
+    from support.apps import deployed
+
+    with deployed(
+        ray_cluster,
+        model_dir,
+        tmp_path_factory.mktemp("megatron-vllm"),
+        "megatronvllm",
+        engine="vllm",
+        num_replicas=1,
+        replica_num_cpus=0.5,
+        replica_env=VLLM_ENV,
+        control_timeout_s=60.0,
+        vllm={"dtype": "float32", "max_model_len": 256},
+    ) as served:
+        yield served
+
+
+def _served_prompt_logprobs(app) -> list[list[float | None]]:
+    """vLLM's logprob of every PROBE token given the ones before it, through the app's
+    /v1/completions (None for the first)."""
+    rows = []
+    for ids in PROBE:
+        answer = httpx.post(
+            f"{app.base_url}/v1/completions",
+            json={"model": "tiny-llama", "prompt": ids, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 0},
+            timeout=120.0,
+        )
+        assert answer.status_code == 200, answer.text
+        (choice,) = answer.json()["choices"]
+        assert choice["prompt_token_ids"] == ids, choice
+        rows.append(
+            [None if p is None else p[str(t)]["logprob"] for p, t in zip(choice["prompt_logprobs"], ids, strict=True)]
+        )
+    return rows
+
+
+def _assert_megatrons_logprobs(name: str, logits_path: Path, served: list[list[float | None]]) -> None:
+    megatron = torch.log_softmax(load_file(str(logits_path))["logits"], -1)
+    for row, ids in enumerate(PROBE):
+        assert served[row][0] is None
+        for i in range(1, len(ids)):
+            expected = megatron[row, i - 1, ids[i]].item()
+            assert abs(served[row][i] - expected) < VLLM_LOGPROB_TOL, (name, row, i, served[row][i], expected)
+
+
+def test_megatrons_gathered_weights_reach_vllm_by_your_own_transfer_and_the_object_store(runs, vllm_app):
+    """The published checkpoints into a served vLLM replica by two of the trainer's transfer modes,
+    each under ProfiledWeightSync: the TP2 gather by the trainer's own transfer (vLLM's in-place
+    reload through the app's engine RPC, then vLLM's version set: ExternalPublisher), then the PP2
+    gather through the Ray object store (InClusterPublisher). After each, the app serves the version
+    and vLLM's prompt logprobs are megatron's own forward's."""
+    from ray import serve
+
+    from profiling.config import GlobalProfilerConfig
+    from profiling.schedule import StepSchedule
+    from trainer.client import RolloutClient
+    from trainer.in_cluster import InClusterWeights
+    from trainer.profiled_sync import ExternalPublisher, InClusterPublisher, ProfiledWeightSync
+
+    handle = serve.get_app_handle(vllm_app.name)
+
+    async def rpc(method: str, args: list, kwargs: dict) -> None:
+        reports = await handle.engine_rpc.remote(method, args, kwargs)
+        assert all(r.ok for r in reports), reports
+
+    async def move(version: int) -> None:  # the trainer's own transfer of the TP2 checkpoint
+        await rpc("collective_rpc", ["reload_weights"], {"kwargs": {"weights_path": str(runs["tp2"]["checkpoint"])}})
+        await rpc("update_weight_version", [version], {})
+
+    async def publish(version: int, publisher, weights=None) -> str:
+        async with RolloutClient(vllm_app.base_url, timeout_s=120.0) as client:
+            sync = ProfiledWeightSync(
+                StepSchedule.from_config(GlobalProfilerConfig()), client, save_path=None, publisher=publisher
+            )
+            async with sync:
+                report = await sync.sync(version, weights)
+            sync.shutdown()
+            return report.cost.transfer
+
+    assert asyncio.run(publish(1, ExternalPublisher(move))) == "external"
+    _assert_megatrons_logprobs("tp2", runs["tp2"]["logits"], _served_prompt_logprobs(vllm_app))
+
+    pp2 = load_file(str(runs["pp2"]["checkpoint"] / "model.safetensors"))
+
+    async def state() -> dict[str, torch.Tensor]:
+        return pp2
+
+    in_cluster = InClusterPublisher(InClusterWeights(vllm_app.name))
+    assert asyncio.run(publish(2, in_cluster, state)) == "object_store"
+    status = httpx.get(f"{vllm_app.base_url}/profile/status", timeout=30.0).json()
+    assert status["weight_version"] == 2 and [r["weight_version"] for r in status["replicas"]] == [2], status
+    _assert_megatrons_logprobs("pp2", runs["pp2"]["logits"], _served_prompt_logprobs(vllm_app))
