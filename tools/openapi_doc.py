@@ -12,6 +12,7 @@ generated; the rest of the page is written by hand.
 from __future__ import annotations
 
 import sys
+from http import HTTPStatus
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -95,7 +96,10 @@ def _responses(op: dict[str, Any], guarded: bool) -> list[str]:
         else:
             body = "not described by the schema (see above)"
         description = answer.get("description", "")
-        when = "" if description in _GENERIC_DESCRIPTIONS or description == _STATUS_TEXT.get(int(code)) else description
+        # FastAPI describes an answer by the interpreter's phrase for its code (422 reads "Unprocessable
+        # Content" from Python 3.13 on): a phrase is no description, whichever Python wrote it.
+        phrases = {_STATUS_TEXT.get(int(code)), HTTPStatus(int(code)).phrase}
+        when = "" if description in _GENERIC_DESCRIPTIONS or description in phrases else description
         lines.append(f"| {code} {_STATUS_TEXT.get(int(code), '')} | {body} | {cell(when)} |")
     return lines
 

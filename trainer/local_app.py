@@ -98,6 +98,8 @@ def run_app(port: int, name: str, args: dict[str, Any], route_prefix: str = "/")
 def local_rollout_app(serve_config: str | Path, overrides: dict[str, Any]) -> Iterator[LocalApp]:
     """Run the first application of `serve_config` with `overrides` applied to its args, on a
     private local cluster bound to loopback. `replica_env` in `overrides` adds to the config's."""
+    import ray
+
     from serve_app.app import parse_args
     from serve_app.control_token import read_control_token
     from serve_app.net import free_port, http_url
@@ -121,8 +123,6 @@ def local_rollout_app(serve_config: str | Path, overrides: dict[str, Any]) -> It
     with local_cluster() as port:
         base_url = run_app(port, name, args)
         control = parsed.control_listener
-        import ray
-
         yield LocalApp(
             name=name,
             ray_address=ray.get_runtime_context().gcs_address,

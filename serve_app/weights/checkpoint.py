@@ -60,6 +60,8 @@ def resolve_weights_path(path: str, allowed_dir: str | os.PathLike) -> Path:
     root = Path(allowed_dir).expanduser().resolve()
     real: Path | None = None
     try:
+        if "\0" in path:  # said here, in one wording: the OS's own differs between Python versions
+            raise WeightsError(f"{path!r} cannot be used: it holds a null byte, which no file name can; fix the path")
         candidate = Path(path)
         lexical = Path(os.path.normpath(candidate if candidate.is_absolute() else root / candidate))
         real = lexical.resolve()
@@ -91,7 +93,7 @@ def resolve_weights_path(path: str, allowed_dir: str | os.PathLike) -> Path:
     except WeightsError as e:
         log.warning("weights path %r refused (weights_dir %s, resolved %s): %s", path, root, real, e)
         raise
-    except (ValueError, OSError) as e:  # NUL bytes, names too long, unreadable directories
+    except (ValueError, OSError) as e:  # names too long, unreadable directories
         log.warning("weights path %r refused (weights_dir %s): %r", path, root, e)
         reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
         raise WeightsError(f"{path!r} cannot be used: {reason}; give a path relative to weights_dir") from e
