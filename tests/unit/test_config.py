@@ -196,6 +196,17 @@ def test_the_main_job_publishes_through_the_object_store_only_of_the_app_it_star
         TrainerConfig.model_validate({"trainer": {"weight_transfer": "external"}})
 
 
+def test_an_object_store_publisher_outside_the_apps_cluster_is_refused_naming_the_way_out():
+    """run_training called with object_store but without the app's cluster (a caller of its own):
+    the publisher is refused before any training, naming the fix."""
+    from trainer.config import TrainerConfig
+    from trainer.loop import _publisher
+
+    cfg = TrainerConfig.model_validate({"trainer": {"weight_transfer": "object_store"}})
+    with pytest.raises(ValueError, match=r"not in the app's Ray cluster; run the main job with rollout\.url unset"):
+        _publisher(cfg, object(), None)  # type: ignore[arg-type]
+
+
 # -- retention -----------------------------------------------------------------------------
 @pytest.mark.parametrize("max_exporting_steps", [1, 4])
 def test_keep_steps_must_leave_room_for_the_export_backlog_and_the_started_step(max_exporting_steps):
