@@ -204,7 +204,7 @@ def test_an_object_store_publisher_outside_the_apps_cluster_is_refused_naming_th
 
     cfg = TrainerConfig.model_validate({"trainer": {"weight_transfer": "object_store"}})
     with pytest.raises(ValueError, match=r"not in the app's Ray cluster; run the main job with rollout\.url unset"):
-        _publisher(cfg, object(), None)  # type: ignore[arg-type]
+        _publisher(cfg, object(), None)
 
 
 # -- retention -----------------------------------------------------------------------------
