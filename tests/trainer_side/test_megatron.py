@@ -1,8 +1,9 @@
 """The Megatron backend's policy on megatron-core for real (CPU, gloo; docs/trainer.md#megatron):
 one training step on one batch gives the same loss at tensor parallelism 2, pipeline parallelism 2
-and 1, and as the FSDP backend's policy; the gathered checkpoint has the Hugging Face Llama names
-and, loaded by the embedded engine and by a served vLLM replica (moved in by the trainer's own
-transfer and through the object store), gives megatron's own logits, for both layouts.
+and 1, and as the FSDP backend's policy, and two data-parallel replicas train to the weights of
+one; the gathered checkpoint has the Hugging Face Llama names and, loaded by the embedded engine
+and by a served vLLM replica (moved in by the trainer's own transfer and through the object
+store), gives megatron's own logits, for both layouts.
 
 Not skipped when megatron-core is missing: CI installs the `megatron` extra, and a run without it
 must fail here."""
@@ -22,10 +23,14 @@ from trainer.policy import Policy
 
 from .megatron_ranks import CLIP, LR, PROBE, SEED, STEPS, fixed_batch, run_layout
 
-LAYOUTS = {"tp1": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}
+LAYOUTS = {"tp1": (1, 1, 1), "tp2": (2, 1, 2), "pp2": (1, 2, 2), "dp2": (1, 1, 2)}
+"""name: (tensor parallel, pipeline parallel, ranks); dp2 is two data-parallel replicas."""
 LOSS_TOL = 1e-5
 LOGITS_TOL = 1e-4
 """float32 on one machine: the layouts differ only in the order of the sums."""
+ADAM_WEIGHTS_TOL = 1e-3
+"""Weights after Adam's steps: where a gradient is near zero, Adam's division by its root mean
+square turns the float order of the sums into a visible share of lr (TP2 and TP1 differ by 2e-4)."""
 VLLM_LOGPROB_TOL = 2e-3
 """vLLM's CPU kernels (its own attention and matmuls) against megatron's, in float32."""
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "HF_HUB_OFFLINE": "1"}
@@ -33,20 +38,46 @@ VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"
 
 @pytest.fixture(scope="module")
 def runs(model_dir, tmp_path_factory) -> dict[str, dict]:
-    return {name: run_layout(tp, pp, model_dir, tmp_path_factory.mktemp(name)) for name, (tp, pp) in LAYOUTS.items()}
+    return {
+        name: run_layout(tp, pp, model_dir, tmp_path_factory.mktemp(name), world)
+        for name, (tp, pp, world) in LAYOUTS.items()
+    }
 
 
 def test_a_step_gives_the_same_loss_at_tp2_pp2_and_1(runs, model_dir):
     fsdp = Policy(str(model_dir), LR, CLIP, SEED)
     expected = [fsdp.train_step(fixed_batch()) for _ in range(STEPS)]
     for name, run in runs.items():
+        if name == "dp2":
+            continue  # each replica reports the loss of its half of the batch (the next test)
         for r in run["ranks"]:  # every rank of the replica reports its loss, the last stage's
             assert r["losses"] == pytest.approx(expected, abs=LOSS_TOL), (name, r, expected)
 
 
+def test_two_data_parallel_replicas_train_to_the_weights_of_one(runs):
+    """Each replica trains on its half of the batch and their gradients are averaged: after the
+    same steps the weights, and the logits, are the single replica's."""
+    logits = [load_file(str(runs[n]["logits"]))["logits"] for n in ("tp1", "dp2")]
+    assert (logits[0] - logits[1]).abs().max().item() < LOGITS_TOL
+    one, two = (load_file(str(runs[n]["checkpoint"] / "model.safetensors")) for n in ("tp1", "dp2"))
+    assert set(one) == set(two)
+    # A replica that kept its own half's gradient would be a whole step (lr = 0.01) off.
+    assert max((one[k] - two[k]).abs().max().item() for k in one) < ADAM_WEIGHTS_TOL
+    halves = [r["losses"] for r in runs["dp2"]["ranks"]]
+    assert halves[0] != halves[1], "the replicas trained on different halves"
+
+
 def test_each_rank_knows_its_megatron_coordinates(runs):
-    coords = {name: [(r["parallel"]["tp"], r["parallel"]["pp"]) for r in run["ranks"]] for name, run in runs.items()}
-    assert coords == {"tp1": [(0, 0)], "tp2": [(0, 0), (1, 0)], "pp2": [(0, 0), (0, 1)]}
+    coords = {
+        name: [(r["parallel"]["tp"], r["parallel"]["pp"], r["parallel"]["dp"]) for r in run["ranks"]]
+        for name, run in runs.items()
+    }
+    assert coords == {
+        "tp1": [(0, 0, 0)],
+        "tp2": [(0, 0, 0), (1, 0, 0)],
+        "pp2": [(0, 0, 0), (0, 1, 0)],
+        "dp2": [(0, 0, 0), (0, 0, 1)],
+    }
 
 
 def _embedded_engine_logits(model_dir: Path, checkpoint: Path) -> torch.Tensor:
