@@ -29,11 +29,9 @@ class AppCluster(BaseModel):
 
     @contextlib.contextmanager
     def joined(self) -> Iterator[None]:
-        """This process as a driver of the cluster while the block runs: joins it unless the process
-        already is one (the main job's own process, which started the local app), and leaves it after."""
-        if ray.is_initialized():
-            yield
-            return
+        """This process (a trainer rank, which Ray never started in) as a driver of the cluster
+        while the block runs, and out of it after. The main job's own process, which started the
+        local app, is a driver already and does not call this."""
         # The replicas' logs stay in their own files, as the local app's driver keeps them.
         ray.init(address=self.address, log_to_driver=False)
         try:

@@ -13,6 +13,7 @@ RankDied: no hang, no leftover process.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import multiprocessing as mp
 import os
@@ -175,20 +176,20 @@ def _rank_main(
     def on_version(s: VersionStats) -> None:
         reports.put(("version", s.model_dump_json()))
 
-    async def go(cluster: AppCluster | None) -> RunResult:
+    cluster: AppCluster | None = None
+    if cluster_json is not None and ranks.drives:  # only the publishing rank joins the app's cluster
+        from trainer.in_cluster import AppCluster
+
+        cluster = AppCluster.model_validate_json(cluster_json)
+
+    async def go() -> RunResult:
         if not ranks.drives:  # the other ranks never talk to the app
             return await run_training(cfg, None, model_dir, None, ranks)
         async with AppAddress.model_validate_json(app_json).client() as client:
             return await run_training(cfg, client, model_dir, on_version, ranks, cluster)
 
-    if cluster_json is not None and ranks.drives:
-        from trainer.in_cluster import AppCluster
-
-        cluster = AppCluster.model_validate_json(cluster_json)
-        with cluster.joined():
-            result = asyncio.run(go(cluster))
-    else:
-        result = asyncio.run(go(None))
+    with cluster.joined() if cluster is not None else contextlib.nullcontext():
+        result = asyncio.run(go())
     if ranks.drives:
         reports.put(("result", result.model_dump_json()))
     import torch.distributed as dist
