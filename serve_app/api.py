@@ -10,7 +10,7 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated, Any, Literal, Self
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from profiling.config import MAX_STEP, Activity, SafeName, StepNumber, StrictModel, Tool
 from profiling.manifest import Driver, ManifestStatus
@@ -52,6 +52,35 @@ class StopProfileRequest(StrictModel):
         description="Hold admission of new engine steps until the next /weights/update or "
         "/profile/start (the trainer client sets it: nothing runs unprofiled in the gap).",
     )
+
+
+class ScheduleSpec(StrictModel):
+    """The app's own step schedule (docs/design.md#who-drives): verl's `global_profiler` keys, from
+    the app's args or, with `POST /profile/schedule`, from a framework's plugin at run time."""
+
+    steps: list[StepNumber] = Field(
+        min_length=1, max_length=MAX_WINDOW_STEPS, description="The profiled steps, e.g. [1, 2, 5]."
+    )
+    profile_continuous_steps: bool = Field(
+        False, description="Merge consecutive profiled steps into one window labelled by its first step."
+    )
+
+    @field_validator("steps")
+    @classmethod
+    def _sorted_unique(cls, steps: list[int]) -> list[int]:
+        return sorted(set(steps))
+
+
+class ScheduleResponse(BaseModel):
+    """`POST /profile/schedule`'s answer: the schedule the app drives by, and where it stands."""
+
+    schedule: ScheduleSpec
+    given_by: Literal["args", "request"] = Field(
+        description="Where the schedule came from: the app's args (`global_profiler`), or a request."
+    )
+    driver: Driver | None = Field(description="Who drives the steps now (docs/design.md#who-drives).")
+    active_step: int | None = Field(description="The window recording now (its label), if any.")
+    weight_version: int
 
 
 WeightsSource = Literal[WeightSource.PATH, WeightSource.COLLECTIVE, WeightSource.EXTERNAL]
@@ -317,6 +346,9 @@ class StatusResponse(BaseModel):
         None,
         description="Who drives the steps: server (the app's global_profiler schedule), client (a client "
         "called /profile/start or /profile/stop), or null (neither yet).",
+    )
+    schedule: ScheduleSpec | None = Field(
+        None, description="The app's own step schedule (its args', or one set by POST /profile/schedule)."
     )
     replicas: list[ReplicaReport]
     control_timeout_s: float = Field(

@@ -36,6 +36,8 @@ from serve_app.api import (
     ReplicaReport,
     ResetPrefixCacheResponse,
     ResumeResponse,
+    ScheduleResponse,
+    ScheduleSpec,
     StartProfileRequest,
     StartProfileResponse,
     StatusResponse,
@@ -99,6 +101,7 @@ class RolloutController:
         await self.pauses.recover()
         self.schedule = ServerSchedule(self._fleet, self.profile, args)
         self.transfer = EngineTransfer(self._fleet, self.profile, self.weights, self.schedule, args)
+        await self.schedule.load()
         await self.schedule.hold_until_begun()  # before any replica reads the desired state
         self._calls = ShieldedCalls()
         # A restart mid-step resumes it (its watchdog, replicas that missed it, its record), in the
@@ -118,8 +121,12 @@ class RolloutController:
     async def stop_profile(self, req: StopProfileRequest) -> StopProfileResponse:
         return await self._calls.run("stop", lambda: self.profile.stop(req))
 
+    async def set_schedule(self, spec: ScheduleSpec) -> ScheduleResponse:
+        return await self._calls.run("set_schedule", lambda: self.schedule.set(spec))
+
     async def status(self) -> StatusResponse:
-        return await self.profile.status()
+        status = await self.profile.status()
+        return status.model_copy(update={"schedule": self.schedule.spec})
 
     async def readiness(self) -> Readiness:
         """Whether every one of num_replicas replicas serves the served weight version."""

@@ -28,7 +28,7 @@ from ray.experimental import internal_kv
 from profiling.manifest import Driver
 from profiling.session import SessionSpec
 from profiling.weight_source import WeightSource
-from serve_app.api import ClientPauseMode
+from serve_app.api import ClientPauseMode, ScheduleSpec
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +91,8 @@ class DesiredState(BaseModel):
     driver: Driver | None = None
     """Who drives the steps: `server` once the app's own schedule started a window, `client` for
     good once a client called /profile/start or /profile/stop (docs/design.md#who-drives)."""
+    schedule: ScheduleSpec | None = None
+    """The schedule a request gave the app (`POST /profile/schedule`; None: none, the args' if any)."""
 
     @model_validator(mode="before")
     @classmethod

@@ -142,7 +142,14 @@ def render_reference(spec: dict[str, Any]) -> str:
                     out.append("")
             out += _responses(op, guarded)
             out.append("")
-    closure = set(ref_closure(spec["paths"], schemas)) - inline - {_FASTAPI_VALIDATION, "ValidationError"}
+    # A request body's model is shown where it is taken; it gets a section of its own only where an
+    # answer refers to it too.
+    answers = {
+        path: {m: {k: v for k, v in op.items() if k != "requestBody"} for m, op in ops.items()}
+        for path, ops in spec["paths"].items()
+    }
+    shown_once = inline - set(ref_closure(answers, schemas))
+    closure = set(ref_closure(spec["paths"], schemas)) - shown_once - {_FASTAPI_VALIDATION, "ValidationError"}
     out += ["## Bodies", ""]
     for name in sorted(closure):
         schema = schemas[name]

@@ -1,6 +1,7 @@
-"""The app's own step schedule (its args' `global_profiler`): the server drives the profiled
-steps at every version change it sees, whichever route brought it, for frameworks that never
-call /profile/* (docs/design.md#who-drives).
+"""The app's own step schedule (its args' `global_profiler`, or one a framework's plugin gives it
+with `POST /profile/schedule`): the server drives the profiled steps at every version change it
+sees, whichever route brought it, for frameworks that never call /profile/*
+(docs/design.md#who-drives).
 
 It makes the calls this project's trainer client makes (docs/design.md#sync-order), from the
 same `StepSchedule`: at the update that publishes version k, it stops the window ending at k
@@ -15,14 +16,22 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import Literal
 
 from profiling.schedule import StepSchedule
-from serve_app.api import ScheduleActions, StartProfileRequest, StopProfileRequest, UpdateWeightsResponse
+from serve_app.api import (
+    ScheduleActions,
+    ScheduleResponse,
+    ScheduleSpec,
+    StartProfileRequest,
+    StopProfileRequest,
+    UpdateWeightsResponse,
+)
 from serve_app.config import AppArgs
 from serve_app.control.fleet import Fleet
 from serve_app.control.profile_control import ProfileControl
 from serve_app.desired_state import DesiredState
-from serve_app.errors import BacklogFull, ControlError
+from serve_app.errors import BacklogFull, Conflict, ControlError
 
 log = logging.getLogger(__name__)
 
@@ -39,12 +48,87 @@ class ServerSchedule:
     def __init__(self, fleet: Fleet, profile: ProfileControl, args: AppArgs):
         cfg = args.global_profiler
         # verl's block may name no steps, or tool: null (off): then the app drives nothing.
-        self._schedule = StepSchedule(cfg.steps, cfg.profile_continuous_steps) if cfg and cfg.drives else None
+        self._from_args = (
+            ScheduleSpec(steps=cfg.steps or [], profile_continuous_steps=cfg.profile_continuous_steps)
+            if cfg and cfg.drives
+            else None
+        )
+        self._spec: ScheduleSpec | None = self._from_args
+        self._schedule = _schedule_of(self._spec)
         self._fleet = fleet
         self._profile = profile
         self._args = args
         self._sync = asyncio.Lock()
         """One update's stop -> load -> start at a time."""
+
+    @property
+    def spec(self) -> ScheduleSpec | None:
+        """The schedule the app drives by (None: none)."""
+        return self._spec
+
+    async def load(self) -> None:
+        """At the controller's start: a schedule a request gave this deployment before (the
+        controller restarted) is its schedule again."""
+        if self._from_args is None and (given := (await self._fleet.desired()).schedule) is not None:
+            self._use(given)
+
+    async def set(self, spec: ScheduleSpec) -> ScheduleResponse:
+        """Drive by `spec` from now on (`POST /profile/schedule`): a framework's plugin hands the
+        app its own `global_profiler` at run time. The same schedule again changes nothing. Refused
+        (409) when it differs from the args' schedule, when a client drives the steps, and once a
+        schedule has moved a step or the served version (the run has begun on it). On a fresh
+        deployment whose schedule profiles step 1, answers once step 1 started, under the hold,
+        as at a deployment with the schedule in its args."""
+        async with self._sync:
+            desired = await self._fleet.desired()
+            given_by = self._check_settable(spec, desired)
+            if self._spec != spec:
+                async with self._fleet.lock:
+                    desired = await self._fleet.desired()
+                    desired.schedule = spec
+                    await self._fleet.publish(desired)
+                self._use(spec)
+        await self.hold_until_begun()
+        await self.begin()
+        desired = await self._fleet.desired()
+        return ScheduleResponse(
+            schedule=spec,
+            given_by=given_by,
+            driver=desired.driver,
+            active_step=desired.active.step if desired.active else None,
+            weight_version=desired.weight_version,
+        )
+
+    def _check_settable(self, spec: ScheduleSpec, desired: DesiredState) -> Literal["args", "request"]:
+        """Where the schedule in effect after `set(spec)` comes from; Conflict when `spec` cannot
+        replace the one in effect."""
+        if self._from_args is not None:
+            if spec != self._from_args:
+                raise Conflict(
+                    f"the app's args give its schedule (global_profiler steps {self._from_args.steps}, "
+                    f"profile_continuous_steps {self._from_args.profile_continuous_steps}), and a request "
+                    f"asks for steps {spec.steps}, profile_continuous_steps {spec.profile_continuous_steps}: "
+                    "give the schedule in one place, remove global_profiler from the app's args or make both agree"
+                )
+            return "args"
+        if desired.driver == "client":
+            raise Conflict(
+                "a client drives the steps (it called /profile/start or /profile/stop), so the app runs no "
+                "schedule of its own: drive the steps from one side (docs/design.md#who-drives)"
+            )
+        begun = desired.driver is not None or desired.weight_version != 0 or desired.active is not None
+        if self._spec is not None and spec != self._spec and begun:
+            raise Conflict(
+                f"the app drives by steps {self._spec.steps} (profile_continuous_steps "
+                f"{self._spec.profile_continuous_steps}) and the run has begun on them (weight version "
+                f"{desired.weight_version}): a schedule is changed only before its first step or version; "
+                "deploy the app anew for a new schedule"
+            )
+        return "request"
+
+    def _use(self, spec: ScheduleSpec) -> None:
+        self._spec = spec
+        self._schedule = _schedule_of(spec)
 
     async def driving(self) -> bool:
         """Whether the app drives the steps: it has a schedule and no client took over."""
@@ -182,3 +266,7 @@ class ServerSchedule:
             desired.paused = False
             await self._fleet.publish(desired)
             await self._fleet.broadcast("release_hold")
+
+
+def _schedule_of(spec: ScheduleSpec | None) -> StepSchedule | None:
+    return None if spec is None else StepSchedule(spec.steps, spec.profile_continuous_steps)

@@ -12,6 +12,8 @@ from profiling.manifest import StepManifest
 from serve_app.api import (
     ClockResponse,
     ErrorResponse,
+    ScheduleResponse,
+    ScheduleSpec,
     StartProfileRequest,
     StartProfileResponse,
     StatusResponse,
@@ -42,6 +44,7 @@ class ProfileRoutesMixin:
     ENDPOINTS: ClassVar[dict[str, Callable[[Any], Any]]] = {
         "start_profile": lambda app: app.post("/profile/start", responses=_errors, **_guard),
         "stop_profile": lambda app: app.post("/profile/stop", responses=_stop_errors, **_guard),
+        "set_schedule": lambda app: app.post("/profile/schedule", responses=_stop_errors, **_guard),
         "profile_status": lambda app: app.get("/profile/status", **_guard),
         "profile_clock": lambda app: app.get("/profile/clock", **_guard),
         "profile_steps": lambda app: app.get("/profile/steps", responses={507: _unreadable}, **_guard),
@@ -57,6 +60,13 @@ class ProfileRoutesMixin:
     async def stop_profile(self, body: StopProfileRequest) -> StopProfileResponse:
         """Stop profiling step k; answers once recording is closed, traces export after."""
         return await self.controller.stop_profile.remote(body)
+
+    async def set_schedule(self, body: ScheduleSpec) -> ScheduleResponse:
+        """Give the app its own step schedule at run time (docs/design.md#who-drives): a framework's
+        plugin hands over its `global_profiler` steps; the app then drives them at every version
+        published. 409 when it would replace a schedule in effect (the args', or one the run has
+        begun on) or a client drives the steps."""
+        return await self.controller.set_schedule.remote(body)
 
     async def profile_status(self) -> StatusResponse:
         """Active step, weight version, and each replica's state."""

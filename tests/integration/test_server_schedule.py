@@ -103,6 +103,18 @@ def test_the_app_drives_steps_1_and_2_from_the_versions_it_sees(app, http, model
     assert report.ok, [v.message for v in report.violations]
 
 
+def test_a_schedule_given_at_run_time_must_be_the_args_one(app, http):
+    """POST /profile/schedule (a framework's plugin handing over its steps, docs/design.md#who-drives):
+    the args' schedule again is taken as is; another one is refused naming both."""
+    same = ok(http.post("/profile/schedule", json={"steps": [2, 1]}))
+    assert same["schedule"] == {"steps": [1, 2], "profile_continuous_steps": False} and same["given_by"] == "args", same
+    assert status(http)["schedule"] == same["schedule"]
+    other = http.post("/profile/schedule", json={"steps": [1, 5], "profile_continuous_steps": True})
+    assert other.status_code == 409, other.text
+    assert "steps [1, 2]" in other.json()["detail"] and "steps [1, 5]" in other.json()["detail"], other.text
+    assert http.post("/profile/schedule", json={"steps": []}).status_code == 422
+
+
 def test_a_client_start_takes_the_driving_over(app, http, model_dir):
     assert status(http)["driver"] == "server"
     ok(http.post("/profile/start", json={"step": 9}))
@@ -114,6 +126,8 @@ def test_a_client_start_takes_the_driving_over(app, http, model_dir):
     finally:
         ok(http.post("/profile/stop", json={"step": 9}))
     assert wait_manifest(http, 9, ("complete", "partial"))["driver"] == "client"
+    # The args' schedule stays the answer, but the app no longer drives by it.
+    assert ok(http.post("/profile/schedule", json={"steps": [1, 2]}))["driver"] == "client"
 
 
 def test_vllm_and_sglang_profile_routes_profile_the_step_the_served_weights_generate(app, http):
