@@ -11,6 +11,7 @@
     report DIR [--step K]              step_<k>/report.html and index.html
     ranks DIR [--step K]               rebuild step_<k>/ranks/: the step as ranks, for HTA and TensorBoard
     verify DIR [--step K]              check attribution: manifests, files, markers, clocks
+    verl [SAVE_PATH]                   verl's own profiler output made into steps (merged, reported)
 
 Exit codes: 0 done; 1 the operation failed (a merge or ranks view failed, the app refused the call, a
 replica did not carry it out, or verify found a violation); 2 bad usage (unknown option, no such
@@ -27,7 +28,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Annotated, Any, Literal, NoReturn, TypedDict
+from typing import TYPE_CHECKING, Annotated, Any, Literal, NoReturn, TypedDict
 
 import typer
 from pydantic import BaseModel
@@ -47,9 +48,13 @@ from profiling.analysis.merge import MergeError, merge_step
 from profiling.analysis.sources import find_inputs, load_manifest
 from profiling.analysis.summary import StepSummary, summarize_step
 from profiling.analysis.tool_view import ToolView, ViewError, build_tool_view
+from profiling.analysis.trace_span import clock_text, span_text
 from profiling.analysis.verify import Finding, VerifyReport, trace_bytes, verify_steps
 from profiling.manifest import ManifestStatus, MergeRecord
 from profiling.store import MERGED_TRACE, TraceStore
+
+if TYPE_CHECKING:
+    from profiling.verl_traces.ingest import IngestReport
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
 APP_COMMANDS = "rollout_profiler.app_commands"
@@ -347,7 +352,136 @@ def verify(directory: Dir, step: Steps = None, as_json: AsJson = False) -> None:
         raise typer.Exit(EXIT_FAILED)
 
 
+@app.command("verl")
+def verl(
+    save_path: Annotated[
+        Path | None,
+        typer.Argument(
+            help="verl's global_profiler.save_path (default: $VERL_PROFILE_SAVE_PATH, which verl sets for its "
+            "finish_hook_cmd).",
+            show_default=False,
+        ),
+    ] = None,
+    out_dir: Annotated[
+        Path | None, typer.Option("--out", help="Where the step_<k>/ directories go (default: SAVE_PATH).")
+    ] = None,
+    app_save_path: Annotated[
+        Path | None,
+        typer.Option(
+            "--app-save-path",
+            help="The app's save_path, where verl ran through this project's plugin and the app wrote its "
+            "step_<k>/ elsewhere than SAVE_PATH: its steps get verl's trainer traces (they are built there).",
+        ),
+    ] = None,
+    trigger_parameter_sync_step: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="verl's async_training.trigger_parameter_sync_step: trainer steps per parameter version "
+            "(1 for verl's synchronous trainer).",
+        ),
+    ] = 1,
+    as_json: AsJson = False,
+) -> None:
+    """Make verl's own profiler output (global_profiler.tool: torch) into this project's steps:
+    step_<k>/ with the trainer's traces of the steps producing version k and each rollout replica's
+    recording whose stop lies in that trainer window, then merge each step, write its ranks view, report it.
+    Runs as written as verl's global_profiler.finish_hook_cmd. JSON: the ingest report."""
+    from profiling.verl_traces.ingest import NoVerlTraces, ingest  # the reports import matplotlib
+
+    if save_path is None:
+        env = os.environ.get("VERL_PROFILE_SAVE_PATH")
+        if not env:
+            _fail(
+                EXIT_USAGE,
+                "no SAVE_PATH: pass verl's global_profiler.save_path, or run this as verl's finish_hook_cmd, "
+                "which sets $VERL_PROFILE_SAVE_PATH",
+            )
+        save_path = Path(env)
+    if not save_path.is_dir():
+        _fail(EXIT_USAGE, f"{save_path} is not a directory; pass verl's global_profiler.save_path")
+    if out_dir is not None and app_save_path is not None and out_dir.resolve() != app_save_path.resolve():
+        _fail(
+            EXIT_USAGE,
+            f"--out {out_dir} and --app-save-path {app_save_path} differ: the app's steps are completed where "
+            "they are; give only --app-save-path",
+        )
+    quiet = as_json or not err.is_terminal
+    try:
+        report = ingest(
+            save_path,
+            out_dir or app_save_path,
+            trigger_parameter_sync_step,
+            on_step=None if quiet else lambda message: err.print(message, markup=False),
+        )
+    except NoVerlTraces as e:
+        _fail(EXIT_USAGE, str(e))
+    except OSError as e:
+        _fail(EXIT_FAILED, f"{e}; check that {out_dir or app_save_path or save_path} is writable and has room")
+    if as_json:
+        _print_json(report)
+    else:
+        _print_ingest(report)
+    if not report.steps:
+        why = (
+            "every step found is a directory this command did not write (see 'left as is')"
+            if report.left
+            else "no trainer trace names a verl step, and recordings are placed in steps by the trainer's windows: "
+            "profile the trainer too (its role's profiler.enable with global_profiler.steps)"
+        )
+        _fail(EXIT_FAILED, f"no step built from {report.save_path}: {why}")
+    if not report.ok:
+        raise typer.Exit(EXIT_FAILED)
+
+
 # -- printing --------------------------------------------------------------------------------------
+
+
+def _print_ingest(r: IngestReport) -> None:
+    def say(text: str, console: Console = out) -> None:
+        console.print(text, markup=False, soft_wrap=True)
+
+    say(
+        f"verl traces under {r.save_path}: {r.trainer_files} trainer and {r.rollout_files} rollout trace file(s); "
+        f"trigger_parameter_sync_step {r.trigger_parameter_sync_step}"
+    )
+    for s in r.steps:
+        window = "-" if s.trainer_window is None else span_text(*(round(t * 1e9) for t in s.trainer_window))
+        whose = ", the app's step: trainer entries added" if s.app_step else ""
+        verl_steps = ", ".join(map(str, s.trainer_steps))
+        say(f"step {s.step} ({s.status}{whose}): verl steps {verl_steps}, trainer window {window}")
+        placed = {f"rollout/{p.replica_id}": p for p in s.rollout}
+        for key, names in s.files.items():
+            line = f"  {key}: {len(names)} file(s): {', '.join(names)}"
+            if (p := placed.get(key)) is not None:
+                line += (
+                    f"; stopped at {clock_text(round(p.stopped_at * 1e9))}, {p.margin_s:.3f} s inside the trainer "
+                    "window (its clock and the trainer's taken to agree)"
+                )
+            say(line)
+        for line in (*s.errors, *(f"{k}: the app's own entry, kept" for k in s.kept)):
+            say(f"  {line}")
+        for line in s.not_merged:
+            say(f"  not merged: {line}")
+        if s.merge is not None:
+            say(
+                f"  merged: {s.merge.events} events from {len(s.merge.processes)} trace file(s): "
+                f"{Path(r.out) / f'step_{s.step}' / MERGED_TRACE}"
+            )
+        for line in s.failed:
+            say(f"  failed: {line}", err)
+    for line in r.unassigned:
+        say(f"not assigned to a step: {line}")
+    for line in r.not_assigned:
+        say(f"not merged, no step: {line}")
+    for line in (*r.unreadable, *r.clock_problems):
+        say(f"unreadable: {line}", err)
+    for line in r.left:
+        say(f"left as is: {line}", err)
+    for line in r.removed:
+        say(f"removed: {line}")
+    if r.index:
+        say(f"report: {r.index}")
 
 
 def print_verify_report(console: Console, report: VerifyReport, notes: bool = True) -> None:

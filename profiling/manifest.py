@@ -131,10 +131,12 @@ class TraceDialect(BaseModel):
 
     forward_range: str = FORWARD_STEP
     """Name prefix of the range around one forward pass."""
-    version_in: Literal["marker", "file_name"] = "marker"
+    version_in: Literal["marker", "file_name", "window"] = "marker"
     """marker: every forward range is a forward-step marker, naming its step and weight version;
     file_name: forward ranges carry no version, each trace file holds passes on one version, which
-    its name carries (`file_version`)."""
+    its name carries (`file_version`); window: neither the ranges nor the file names carry a
+    version (an engine's own profiler driven by another framework, e.g. vLLM's under verl): the
+    recording's place in time assigned it to its step (the entry's `window_match`)."""
     file_version: str | None = None
     """With `file_name`: a regular expression whose first group, at its last match in a trace
     file's name, is the weight version of the file's passes."""
@@ -148,6 +150,8 @@ class TraceDialect(BaseModel):
             raise ValueError(f"a forward range that carries its weight version is a {FORWARD_STEP!r} marker")
         if self.version_in == "file_name" and (self.file_version is None or re.compile(self.file_version).groups < 1):
             raise ValueError("version_in 'file_name' needs file_version, a regular expression with a group")
+        if self.version_in == "window" and self.file_version is not None:
+            raise ValueError("version_in 'window' takes no file_version: the file names carry no version")
         return self
 
     def file_version_of(self, name: str) -> int | None:
@@ -161,6 +165,31 @@ class TraceDialect(BaseModel):
     def recording_of(self, name: str) -> str:
         """The recording a trace file belongs to: its name up to `rank_separator`."""
         return name.split(self.rank_separator)[0] if self.rank_separator else name
+
+
+class WindowMatch(BaseModel):
+    """How a recording whose traces carry no weight version (`TraceDialect.version_in` window) was
+    assigned to its step: by where it stopped in time (docs/analysis.md#verl). In verl, rollout
+    step k's window opens after the sync that published version k-1 and closes before the sync
+    that publishes version k, which runs inside the trainer's window of step k; so a recording
+    belongs to the step whose trainer window holds its stop (the entry's `stopped_at`)."""
+
+    trainer_started_at: float
+    """Unix seconds: the first event of the step's trainer traces (every rank, every file)."""
+    trainer_stopped_at: float
+    """Unix seconds: the last event of the step's trainer traces."""
+    margin_s: float
+    """How far the recording's stop lies inside the trainer window: its distance to the nearer
+    edge. The assignment holds as long as the clocks of the trainer's and the rollout's hosts
+    disagree by less than this."""
+    trainer_steps: list[int]
+    """The trainer's own step numbers (verl's `step<S>` in the file names) that make the window."""
+    hosts: list[str] = Field(default_factory=list)
+    """The hosts the traces of the recording and of the trainer window name (Kineto's
+    `host_name`; empty: none named)."""
+    clocks: str
+    """What the match assumes of the clocks, in words: one host's wall clock, or several hosts'
+    clocks agreeing to well within `margin_s` (not measured: no clock exchange ran)."""
 
 
 class ParallelRank(BaseModel):
@@ -249,6 +278,13 @@ class ManifestEntry(BaseModel):
     """Clock samples for aligning this process's trace with the others (None: backend has none)."""
     clock_offset: ClockOffset | None = None
     """This process's wall clock against the app's reference clock (None: not measured)."""
+    clock_unmeasured: str | None = None
+    """Why `clock_offset` is None and what the timeline assumes instead, in words (entries built
+    from another framework's profiler output, which ran no clock exchange: docs/analysis.md#verl;
+    None: an entry of this project's own producers, for which a missing offset is a fault)."""
+    window_match: WindowMatch | None = None
+    """Entries whose traces carry no weight version (`trace_dialect.version_in` window): the time
+    match that assigned the recording to this step and so its `weight_version`."""
     requests: RequestStats | None = None
     """Rollout entries: requests served and time generating, held and idle in the window."""
     staleness: Staleness | None = None

@@ -6,13 +6,16 @@ version, or a continuous window's versions in order, each after the `weight_upda
 introduced it), their count against the manifest's `forward_steps`, the forward passes run on the
 step's weights outside its window, and clock alignment. Each entry's traces are read by its
 `trace_dialect`: an engine whose own profiler records names its forward ranges its own way, and
-may write the weight version into the file's name instead of the range's. Traces are streamed in
+may write the weight version into the file's name instead of the range's, or nowhere (a recording
+assigned to its step by its place in time, `WindowMatch`: checked against the step's trainer
+window and against the trace's own event times). Traces are streamed in
 bounded chunks (`chunks.iter_chunks`, the merge's reader): memory stays flat however large they
 are.
 """
 
 from __future__ import annotations
 
+import contextlib
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,6 +27,7 @@ from pydantic import BaseModel
 
 from profiling.analysis.chunks import are_structs, iter_chunks
 from profiling.analysis.events import NotATrace, is_trace_name, sniff
+from profiling.analysis.trace_span import Extent, NoAbsoluteTime, clock_text, span_text
 from profiling.manifest import ManifestEntry, StepManifest, TraceDialect
 from profiling.markers import (
     FORWARD_STEP,
@@ -43,6 +47,9 @@ _ANNOTATION = "user_annotation"
 """The category of a `record_function` range on the CPU (its CUDA twin, `gpu_user_annotation`,
 repeats the name on the GPU's timeline and is not counted)."""
 _RANGE_PHASES = ("X", "B")
+WINDOW_TOLERANCE_S = 0.001
+"""How far a recording's own first and last events may lie from its entry's `started_at` and
+`stopped_at` (which the ingest took from those events, rounded to unix seconds as floats)."""
 
 
 class Finding(BaseModel):
@@ -93,6 +100,9 @@ class _TraceScan:
     """Forward ranges of a dialect whose ranges carry no version (`version_in: file_name`)."""
     file_version: int | None = None
     """The weight version the file's name carries (None: the dialect puts none there)."""
+    span_ns: tuple[int, int] | None = None
+    """A `window` dialect's trace: unix nanoseconds of its first and last event (None: not read,
+    or its events have no absolute time)."""
 
 
 class _Findings:
@@ -229,6 +239,8 @@ def _check_entry(
             )
     has_chrome = any(is_trace_name(rel) for rel in entry.files)
     _check_versions(manifest, entry, discrete, scans, out)
+    if entry.trace_dialect.version_in == "window":
+        _check_window(manifest, entry, scans if complete else [], out)
     if discrete:
         _check_outside(manifest.step, entry, out)
     # Counts and markers of a trace read only in part would only repeat the files violation.
@@ -239,7 +251,11 @@ def _check_entry(
 
 def _scan(path: Path, dialect: TraceDialect, on_progress: Callable[[int], None] | None) -> _TraceScan:
     scan = _TraceScan(path.name, file_version=dialect.file_version_of(path.name))
-    for chunk in iter_chunks(path, sniff(path), on_progress):
+    fmt = sniff(path)
+    extent = Extent() if dialect.version_in == "window" else None
+    for chunk in iter_chunks(path, fmt, on_progress):
+        if extent is not None:
+            extent.see(chunk)
         if are_structs(chunk):
             ranges = [(e.name, e.ts) for e in chunk if e.cat == _ANNOTATION and e.ph in _RANGE_PHASES]
         else:
@@ -251,12 +267,15 @@ def _scan(path: Path, dialect: TraceDialect, on_progress: Callable[[int], None] 
         for name, ts in ranges:
             _add_range(scan, dialect, str(name), float(ts) if isinstance(ts, int | float) else 0.0)
     scan.forward.sort(key=lambda m: m.ts)
+    if extent is not None:
+        with contextlib.suppress(NoAbsoluteTime):  # the window check reports a trace it cannot place
+            scan.span_ns = extent.unix_ns(fmt, path)
     return scan
 
 
 def _add_range(scan: _TraceScan, dialect: TraceDialect, name: str, ts: float) -> None:
     if name.startswith(dialect.forward_range):
-        if dialect.version_in == "file_name":
+        if dialect.version_in != "marker":
             scan.unversioned_forwards += 1
         elif m := parse_forward_step(name):
             scan.forward.append(_Marker(ts, m.index, m.step, m.weight_version))
@@ -367,6 +386,18 @@ def _check_marker_count(entry: ManifestEntry, has_chrome: bool, scans: list[_Tra
             )
         return
     dialect = entry.trace_dialect
+    if dialect.version_in == "window":
+        # One trace per engine worker; every worker marks the same engine steps.
+        for scan in scans:
+            if scan.unversioned_forwards != expected:
+                out.violation(
+                    key,
+                    "marker_count",
+                    f"{scan.unversioned_forwards} forward ranges ('{dialect.forward_range}...') in {scan.name}, the "
+                    f"manifest says {counted}={expected}: the count and the trace disagree (a trace from another "
+                    "recording?)",
+                )
+        return
     if any(s.forward for s in scans):
         # One trace per process; with tensor parallelism every rank marks the same iterations.
         for scan in scans:
@@ -436,11 +467,83 @@ def _check_outside(step: int, entry: ManifestEntry, out: _Findings) -> None:
         )
 
 
+def _check_window(manifest: StepManifest, entry: ManifestEntry, scans: list[_TraceScan], out: _Findings) -> None:
+    """A recording whose traces carry no weight version was assigned to its step by time: its
+    stop must lie inside the step's trainer window (from the manifest's trainer entries), and its
+    traces' own events must span what the entry says (else a file was swapped in)."""
+    key, k = entry.key, manifest.step
+    match = entry.window_match
+    rebuild = "rebuild the steps from verl's save_path: python -m profiling verl <save_path>"
+    if match is None:
+        out.violation(
+            key,
+            "versions",
+            f"its traces carry no weight version (trace_dialect window) and the entry has no window_match: "
+            f"nothing assigns its forward passes to step {k}; {rebuild}",
+        )
+        return
+    trainer = [
+        e for e in manifest.entries if e.role == "trainer" and e.status == "ok" and e.started_at and e.stopped_at
+    ]
+    stop = entry.stopped_at
+    if not trainer or stop is None:
+        out.violation(
+            key,
+            "versions",
+            f"its place in time cannot be checked: step {k} has no trainer entry with a window"
+            if not trainer
+            else "its place in time cannot be checked: the entry has no stopped_at",
+        )
+    else:
+        opened = min(e.started_at or 0.0 for e in trainer)
+        closed = max(e.stopped_at or 0.0 for e in trainer)
+        window = span_text(round(opened * 1e9), round(closed * 1e9))
+        stopped = clock_text(round(stop * 1e9))
+        if not opened <= stop <= closed:
+            off = opened - stop if stop < opened else stop - closed
+            out.violation(
+                key,
+                "versions",
+                f"the recording stopped at {stopped}, {off:.3f} s outside step {k}'s trainer window ({window}, "
+                f"from the step's trainer entries): it is not step {k}'s generation (moved from another step's "
+                f"directory?); {rebuild}",
+            )
+        else:
+            out.note(
+                key,
+                "versions",
+                f"{entry.forward_steps} forward passes ('{entry.trace_dialect.forward_range}...' ranges) carry no "
+                f"weight version: assigned to step {k} (weights v{k - 1}) by time: the recording stopped at "
+                f"{stopped}, inside step {k}'s trainer window ({window}; trainer steps "
+                f"{', '.join(map(str, match.trainer_steps))}), "
+                f"{min(stop - opened, closed - stop):.3f} s from its nearer edge; {match.clocks}",
+            )
+    if not scans:
+        return
+    unplaced = [s.name for s in scans if s.span_ns is None]
+    if unplaced:
+        out.violation(key, "files", f"{unplaced[0]}'s events have no absolute time: the recording cannot be placed")
+        return
+    first = min(s.span_ns[0] for s in scans if s.span_ns) / 1e9
+    last = max(s.span_ns[1] for s in scans if s.span_ns) / 1e9
+    began, ended = entry.started_at, entry.stopped_at
+    if began is None or ended is None or max(abs(first - began), abs(last - ended)) > WINDOW_TOLERANCE_S:
+        claimed = "no window" if began is None or ended is None else span_text(round(began * 1e9), round(ended * 1e9))
+        out.violation(
+            key,
+            "files",
+            f"the traces' events run from {span_text(round(first * 1e9), round(last * 1e9))}, but the entry says "
+            f"{claimed}: a trace is not the recording the entry describes (swapped in from another step?); {rebuild}",
+        )
+
+
 def _check_clock(entry: ManifestEntry, scans: list[_TraceScan], out: _Findings) -> None:
     key = entry.key
     if not entry.files:
         return
-    if entry.clock_offset is None:
+    if entry.clock_offset is None and entry.clock_unmeasured:
+        out.note(key, "clock", f"clock offset {entry.clock_unmeasured}")
+    elif entry.clock_offset is None:
         out.violation(
             key,
             "clock",
@@ -464,7 +567,7 @@ def _check_clock(entry: ManifestEntry, scans: list[_TraceScan], out: _Findings) 
                 f"no clock alignment: the trace has clock markers ({in_trace[0]!r}) but the entry has no "
                 "clock samples to map them to wall-clock time",
             )
-        else:
+        elif not entry.clock_unmeasured:  # that note says so already
             out.note(key, "clock", "the trace has no clock markers: the merge places it by its own timestamps")
         return
     for at, sample in (("start", clock.start), ("stop", clock.stop)):
