@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from serve_app.config import AppArgs
+from typing import Protocol
 
 MIN_TOKEN_CHARS = 16
 """A control token is at least this long."""
@@ -19,7 +16,18 @@ DEPRECATED_TOKEN_ENV = "ROLLOUT_CONTROL_TOKEN"
 """The CLI's former name, still read with a deprecation warning."""
 
 
-def read_control_token(args: AppArgs) -> str | None:
+class TokenSource(Protocol):
+    """Where a control token is read from: the app's args, or a client's settings (the verl
+    plugin's) that name it the same way."""
+
+    @property
+    def control_token_env(self) -> str | None: ...
+
+    @property
+    def control_token_file(self) -> str | None: ...
+
+
+def read_control_token(args: TokenSource) -> str | None:
     """The control token from control_token_env or control_token_file, read where this runs
     (None: neither is set). ValueError naming the source and the fix when it is missing,
     unreadable or shorter than MIN_TOKEN_CHARS."""

@@ -27,9 +27,14 @@ from profiling.clock_exchange import PINGS, ClockReading, offset_from, reversed_
 from profiling.manifest import ClockOffset, StepManifest
 from profiling.weight_source import WeightSource
 from serve_app.api import (
+    AbortRequestsRequest,
+    AbortRequestsResponse,
     ClockResponse,
     ControlCall,
     ReplicaReport,
+    ResetPrefixCacheResponse,
+    ScheduleResponse,
+    ScheduleSpec,
     StartProfileRequest,
     StartProfileResponse,
     StatusResponse,
@@ -40,6 +45,7 @@ from serve_app.api import (
     UpdateWeightsResponse,
     control_bound_s,
 )
+from serve_app.generate_api import GenerateRequest, GenerateResponse
 from serve_app.openai_api import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -74,26 +80,29 @@ class RolloutClient:
         *,
         control_url: str | None = None,
         control_token: str | None = None,
-        timeout_s: float = 60.0,
+        timeout_s: float | None = 60.0,
         control_wait_s: float | None = None,
         retries: int = 2,
         retry_backoff_s: float = 0.5,
         backlog_wait_s: float = 600.0,
+        max_connections: int = 64,
     ):
         """`control_url`: the app's control listener (its control_listener args), where the
         control routes (/profile/*, /weights/update) go instead of `base_url`: there they never
         wait behind generation in Serve's proxy (docs/design.md#control-path). None: `base_url`.
-        `timeout_s`: how long reads and generation calls wait for an answer. `control_wait_s`:
+        `timeout_s`: how long reads and generation calls wait for an answer (None: as long as
+        they take). `control_wait_s`:
         how long a control call (start, stop, weight update) waits; None: the call's bound on
         the app, from the app's control_timeout_s (read once from /profile/status), plus
         CONTROL_MARGIN_S (`timeout_s` while the status cannot be read).
         `retries`/`retry_backoff_s`: for connection failures, timeouts and 502/503/504.
         `backlog_wait_s`: how long a call refused with 429 (earlier steps' traces still
-        exporting) keeps being retried before the 429 is raised."""
+        exporting) keeps being retried before the 429 is raised. `max_connections`: requests in
+        flight at once (more wait for a connection)."""
         headers = {"Authorization": f"Bearer {control_token}"} if control_token else {}
 
         def connect(url: str) -> httpx.AsyncClient:
-            limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+            limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
             return httpx.AsyncClient(base_url=url.rstrip("/"), headers=headers, timeout=timeout_s, limits=limits)
 
         self._http = connect(base_url)
@@ -116,7 +125,7 @@ class RolloutClient:
         if self._control_http is not None:
             await self._control_http.aclose()
 
-    async def _control_wait(self, call: ControlCall, body: UpdateWeightsRequest | None = None) -> float:
+    async def _control_wait(self, call: ControlCall, body: UpdateWeightsRequest | None = None) -> float | None:
         """Seconds control call `call` waits for its answer (see `control_wait_s`)."""
         if self._control_wait_s is not None:
             return self._control_wait_s
@@ -125,6 +134,8 @@ class RolloutClient:
                 self._app_control_timeout_s = (await self.status()).control_timeout_s
             except RolloutError:  # not readable now (the app restarting): the plain timeout, ask again next time
                 return self._timeout_s
+        if self._timeout_s is None:  # no bound on reads: none on control calls either
+            return None
         transfer = body.collective if body is not None else None
         return control_bound_s(call, self._app_control_timeout_s, transfer) + CONTROL_MARGIN_S
 
@@ -180,6 +191,12 @@ class RolloutClient:
         wait_s = await self._control_wait("stop")
         return await self._call("POST", "/profile/stop", StopProfileResponse, body, retry=True, wait_s=wait_s)
 
+    async def set_schedule(self, schedule: ScheduleSpec) -> ScheduleResponse:
+        """Give the app its own step schedule (`POST /profile/schedule`): it then drives the
+        steps at every version published; answers once step 1 started where it profiles step 1."""
+        wait_s = await self._control_wait("start")
+        return await self._call("POST", "/profile/schedule", ScheduleResponse, schedule, retry=True, wait_s=wait_s)
+
     async def update_weights(self, version: int, path: str, *, resume: bool = True) -> UpdateWeightsResponse:
         return await self._update(UpdateWeightsRequest(version=version, path=path, resume=resume), retry=True)
 
@@ -221,6 +238,21 @@ class RolloutClient:
         return await self._call("GET", f"/profile/steps/{k}", StepManifest, retry=True)
 
     # -- generation --------------------------------------------------------------------------
+    async def generate_tokens(self, body: GenerateRequest) -> GenerateResponse:
+        """vLLM's token-in, token-out `/inference/v1/generate`; never repeated (a repeat would
+        sample again)."""
+        return await self._call("POST", "/inference/v1/generate", GenerateResponse, body, retry=False)
+
+    async def reset_prefix_cache(self) -> ResetPrefixCacheResponse:
+        """Empty every replica's engine prefix cache (vLLM's `/reset_prefix_cache`)."""
+        return await self._call("POST", "/reset_prefix_cache", ResetPrefixCacheResponse, retry=True)
+
+    async def abort_requests(self, request_ids: list[str] | None) -> AbortRequestsResponse:
+        """End the requests `request_ids` names (None: every one in flight) on every replica: each
+        answers finish_reason abort with the tokens sampled so far (vLLM's `/abort_requests`)."""
+        body = AbortRequestsRequest(request_ids=request_ids)
+        return await self._call("POST", "/abort_requests", AbortRequestsResponse, body, retry=True)
+
     async def complete(
         self, prompt: str | list[str] | list[int] | list[list[int]], **fields: Any
     ) -> CompletionResponse:

